@@ -1,0 +1,25 @@
+"""SMC-SD: N particles each draft K tokens, one target pass verifies all N (K + 1), particles are
+weighted by alpha log p_T - log q plus the bonus normaliser, and resampled when ESS < tau N.
+
+Targets pi(x) ∝ p_T(x)^alpha; consistent as N grows, biased at finite N."""
+
+from smc_sd.backends.base import LanguageModel
+from smc_sd.program import Program, Proposal, Target
+
+DEFAULT_PARTICLES = 4
+
+
+def program(
+    target: LanguageModel,
+    draft: LanguageModel,
+    *,
+    temperature: float = 1.0,
+    draft_temperature: float = 1.0,
+    alpha: float = 1.0,
+    draft_len: int = 4,
+) -> Program:
+    return Program(
+        "smc-sd",
+        Target(target, temperature=temperature, alpha=alpha),
+        Proposal(draft, temperature=draft_temperature, draft_len=draft_len),
+    )

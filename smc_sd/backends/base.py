@@ -1,0 +1,143 @@
+"""The language-model interface every backend implements.
+
+A backend owns one model. `LanguageModel.open(prompt, batch)` runs the prompt's forward once and
+returns a `Sequences`: `batch` rows that all start with the prompt and always have equal lengths
+(SMC-SD advances every particle by the same number of tokens per cycle, so no padding is needed).
+
+Dimension letters (see `smc_sd.engine`): B rows, L new tokens, V vocabulary.
+
+The one primitive is `Sequences.extend(tokens)`: append `tokens` [B, L] to every row and return
+the raw next-token logits after each appended token, [B, L, V] float32. Temperatures, powers and
+masks are applied by the caller, so a backend never needs to know about them. `select` reorders
+rows (resampling, forking) and `truncate` rolls every row back to a length (exact speculative
+decoding's rejection).
+
+Invariants every implementation keeps (checked by `smc_sd.testing`):
+- extend is the autoregressive factorisation: logits after token t equal those a fresh forward
+  over the whole row would give at that position;
+- select(a) then extend equals extending the rows a[i] of the old batch;
+- truncate(n) then extend equals never having appended past n.
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass
+
+import torch
+
+
+class TokenizerMismatchError(ValueError):
+    """Raised when a draft and a target do not share one vocabulary."""
+
+
+class ContextOverflowError(ValueError):
+    """Raised when a request needs more positions than the model's context window."""
+
+
+@dataclass(frozen=True)
+class Vocabulary:
+    """What two models must agree on to be paired as draft and target.
+
+    Attributes:
+        size: V, the number of rows of the logits (may exceed the tokenizer's length).
+        eos_token_id: the end-of-sequence token.
+        fingerprint: a hash of the token-string to id map; equal maps give equal fingerprints.
+    """
+
+    size: int
+    eos_token_id: int
+    fingerprint: str
+
+
+class Sequences(abc.ABC):
+    """B equal-length token sequences held in one model's KV cache."""
+
+    @property
+    @abc.abstractmethod
+    def batch_size(self) -> int:
+        """B, the number of rows."""
+
+    @property
+    @abc.abstractmethod
+    def length(self) -> int:
+        """Tokens per row held in the cache (prompt included)."""
+
+    @abc.abstractmethod
+    def extend(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Append tokens to every row.
+
+        Args:
+            tokens: [B, L] int64, L >= 1.
+
+        Returns:
+            [B, L, V] float32 logits; row b, column l is the next-token logits after tokens[b, l].
+        """
+
+    @abc.abstractmethod
+    def select(self, rows: torch.Tensor) -> None:
+        """Make row i a copy of old row rows[i].
+
+        Args:
+            rows: [B'] int64 indices into the current rows; B' may differ from B.
+        """
+
+    @abc.abstractmethod
+    def truncate(self, length: int) -> None:
+        """Drop every token past position `length` in every row."""
+
+    def close(self) -> None:
+        """Release the cache. Safe to call twice."""
+
+
+class LanguageModel(abc.ABC):
+    """One model behind a tokenizer; the factory of `Sequences`."""
+
+    #: the tokenizer (a transformers tokenizer or anything with encode/decode), or None
+    tokenizer = None
+
+    @property
+    @abc.abstractmethod
+    def vocabulary(self) -> Vocabulary:
+        """The vocabulary this model's logits index."""
+
+    @property
+    @abc.abstractmethod
+    def max_length(self) -> int:
+        """Positions the model can attend over (prompt plus generated tokens)."""
+
+    @abc.abstractmethod
+    def open(self, prompt: list[int], batch_size: int) -> tuple[Sequences, torch.Tensor]:
+        """Run the prompt once and start `batch_size` rows from it.
+
+        Args:
+            prompt: the prompt token ids, at least one.
+            batch_size: B >= 1.
+
+        Returns:
+            The rows, each holding the prompt, and the next-token logits after the prompt,
+            [V] float32.
+        """
+
+    def decode(self, token_ids: list[int]) -> str:
+        """Text of token ids (special tokens dropped)."""
+        return self.tokenizer.decode(token_ids, skip_special_tokens=True)
+
+
+def check_same_vocabulary(draft: LanguageModel, target: LanguageModel) -> None:
+    """Refuse a draft whose logits do not index the target's tokens.
+
+    Raises:
+        TokenizerMismatchError: naming what differs.
+    """
+    d, t = draft.vocabulary, target.vocabulary
+    if d.fingerprint != t.fingerprint:
+        raise TokenizerMismatchError(
+            "draft and target tokenizers differ (their token-to-id maps are not equal); "
+            "SMC-SD and speculative decoding need a draft that shares the target's tokenizer"
+        )
+    if d.size != t.size or d.eos_token_id != t.eos_token_id:
+        raise TokenizerMismatchError(
+            f"draft vocabulary (size {d.size}, eos {d.eos_token_id}) differs from the "
+            f"target's (size {t.size}, eos {t.eos_token_id})"
+        )

@@ -1,0 +1,136 @@
+"""The step plan: the fixed-shape description of one cycle that the engine executes.
+
+Every cycle of an importance-verified plan drafts K tokens for each of N particles (K draft
+forwards of [N, 1] tokens after the first, which also feeds the tokens the draft has not seen),
+verifies them in ONE target forward of [N, K + 1] tokens, and advances every particle by exactly
+K + 1 positions. An accept/reject plan has N = 1 and advances by 1 to K + 1 positions.
+
+All validation happens here, before any model runs, so bad input fails fast with a clear error.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from smc_sd.backends.base import ContextOverflowError, LanguageModel, check_same_vocabulary
+from smc_sd.engine.resampling import check_resampler
+from smc_sd.engine.result import CycleStats, Result
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """A compiled program.
+
+    Attributes:
+        name: the program's name.
+        verification: "importance" (SMC-SD) or "accept-reject" (exact speculative decoding).
+        target: target LM; target_temperature T; alpha the power.
+        draft: draft LM or None (K = 0: the target proposes its own next token).
+        draft_temperature: T_d.
+        particles: N.
+        draft_len: K.
+        ess_threshold: tau.
+        resampling: the resampling scheme's name.
+        max_tokens: generated tokens per particle, at most.
+    """
+
+    name: str
+    verification: str
+    target: LanguageModel
+    target_temperature: float
+    alpha: float
+    draft: LanguageModel | None
+    draft_temperature: float
+    particles: int
+    draft_len: int
+    ess_threshold: float
+    resampling: str
+    max_tokens: int
+
+    @property
+    def tokens_per_pass(self) -> int:
+        """K + 1: positions every particle advances per target pass (importance plans)."""
+        return self.draft_len + 1
+
+    def execute(
+        self,
+        prompt: list[int],
+        seed: int = 0,
+        on_cycle: Callable[[CycleStats, list[list[int]]], None] | None = None,
+    ) -> Result:
+        """Run the plan on one prompt with a generator seeded by `seed`."""
+        from smc_sd.engine.smc import run_smc
+        from smc_sd.engine.speculative import run_speculative
+
+        if len(prompt) == 0:
+            raise ValueError("the prompt is empty; give at least one token")
+        generator = torch.Generator().manual_seed(seed)
+        loop = run_smc if self.verification == "importance" else run_speculative
+        return loop(self, list(prompt), generator, on_cycle)
+
+
+def _require(condition: bool, message: str) -> None:
+    if not condition:
+        raise ValueError(message)
+
+
+def compile_program(program, schedule, prompt_length: int) -> StepPlan:
+    """Check a program and a schedule and lower them to a StepPlan.
+
+    Args:
+        program: a `smc_sd.program.Program`.
+        schedule: a `smc_sd.program.Schedule`.
+        prompt_length: tokens in the prompt (for the context-window check).
+
+    Raises:
+        ValueError: on any invalid setting, naming it.
+        TokenizerMismatchError: when draft and target do not share a tokenizer.
+        ContextOverflowError: when prompt + generation cannot fit the models' context windows.
+    """
+    target, proposal = program.target, program.proposal
+    _require(prompt_length >= 1, "the prompt is empty; give at least one token")
+    _require(schedule.particles >= 1, f"particles must be >= 1, got {schedule.particles}")
+    _require(schedule.max_tokens >= 1, f"max tokens must be >= 1, got {schedule.max_tokens}")
+    _require(0.0 <= schedule.ess_threshold <= 1.0, f"ESS threshold must lie in [0, 1], got {schedule.ess_threshold}")
+    _require(target.temperature > 0, f"target temperature must be > 0, got {target.temperature}")
+    _require(target.alpha > 0, f"alpha must be > 0, got {target.alpha}")
+    check_resampler(schedule.resampling)
+    draft_len = 0
+    if proposal is not None:
+        _require(proposal.draft_len >= 1, f"draft length K must be >= 1, got {proposal.draft_len}")
+        _require(proposal.temperature > 0, f"draft temperature must be > 0, got {proposal.temperature}")
+        check_same_vocabulary(proposal.lm, target.lm)
+        draft_len = proposal.draft_len
+    if program.verification == "accept-reject":
+        _require(proposal is not None, "exact speculative decoding needs a draft model")
+        _require(schedule.particles == 1, "exact speculative decoding runs one sequence; set particles to 1")
+        _require(target.alpha == 1.0, "exact speculative decoding samples p_T (alpha = 1); use smc-sd for alpha != 1")
+    else:
+        _require(program.verification == "importance", f"unknown verification {program.verification!r}; choose 'importance' or 'accept-reject'")
+    # The last cycle may run past the budget by up to K + 1 positions before truncation.
+    needed = prompt_length + schedule.max_tokens + draft_len + 1
+    models = [target.lm] + ([proposal.lm] if proposal is not None else [])
+    for lm in models:
+        if needed > lm.max_length:
+            raise ContextOverflowError(
+                f"prompt ({prompt_length} tokens) + max tokens ({schedule.max_tokens}) + one block "
+                f"({draft_len + 1}) needs {needed} positions, but the model's context window is "
+                f"{lm.max_length}"
+            )
+    return StepPlan(
+        name=program.name,
+        verification=program.verification,
+        target=target.lm,
+        target_temperature=target.temperature,
+        alpha=target.alpha,
+        draft=proposal.lm if proposal is not None else None,
+        draft_temperature=proposal.temperature if proposal is not None else 1.0,
+        particles=schedule.particles,
+        draft_len=draft_len,
+        ess_threshold=schedule.ess_threshold,
+        resampling=schedule.resampling,
+        max_tokens=schedule.max_tokens,
+    )

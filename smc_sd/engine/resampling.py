@@ -1,0 +1,112 @@
+"""Effective sample size and resampling schemes: pure functions of log weights and a generator.
+
+Each scheme maps normalised weights w̄ (sum 1) to N ancestor indices a with E[#{i: a_i = j}] = N w̄_j.
+A particle of weight zero is never chosen. All weights -inf means every particle is dead: the
+callers check `torch.isfinite(logw).any()` before resampling, and these functions raise instead of
+returning NaN-derived indices.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+import torch
+
+
+def normalised_weights(logw: torch.Tensor) -> torch.Tensor:
+    """w̄_i = exp(logw_i - logsumexp(logw)).
+
+    Args:
+        logw: [N] float log weights, at least one finite.
+
+    Returns:
+        [N] float64 weights summing to 1 (exact zeros where logw is -inf).
+    """
+    logw = logw.double()
+    if not torch.isfinite(logw).any():
+        raise ValueError("every particle has weight zero; there is nothing to normalise")
+    return torch.exp(logw - torch.logsumexp(logw, 0))
+
+
+def effective_sample_size(logw: torch.Tensor) -> float:
+    """ESS = 1 / sum_i w̄_i², in [1, N]; 0.0 when every weight is zero."""
+    if not torch.isfinite(logw).any():
+        return 0.0
+    w = normalised_weights(logw)
+    return float(1.0 / (w * w).sum())
+
+
+def _inverse_cdf(w: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Index j with cdf_{j-1} <= u < cdf_j for each sorted u in [0, 1).
+
+    The last cumulative weight is forced to exactly 1 so round-off never yields index N, and
+    `right=True` search skips zero-weight particles (their cdf step is empty).
+    """
+    cdf = torch.cumsum(w, 0)
+    cdf[-1] = 1.0
+    return torch.searchsorted(cdf, u, right=True).clamp_(max=w.numel() - 1)
+
+
+def multinomial(w: torch.Tensor, n: int, generator: torch.Generator) -> torch.Tensor:
+    """n independent draws a_i ~ Categorical(w̄)."""
+    u = torch.rand(n, generator=generator, dtype=torch.float64, device=w.device)
+    return _inverse_cdf(w, u.sort().values)
+
+
+def stratified(w: torch.Tensor, n: int, generator: torch.Generator) -> torch.Tensor:
+    """One uniform in each stratum [i/n, (i+1)/n)."""
+    u = torch.rand(n, generator=generator, dtype=torch.float64, device=w.device)
+    return _inverse_cdf(w, (torch.arange(n, dtype=torch.float64, device=w.device) + u) / n)
+
+
+def systematic(w: torch.Tensor, n: int, generator: torch.Generator) -> torch.Tensor:
+    """One uniform u shared by all strata: points (i + u) / n."""
+    u = torch.rand(1, generator=generator, dtype=torch.float64, device=w.device)
+    return _inverse_cdf(w, (torch.arange(n, dtype=torch.float64, device=w.device) + u) / n)
+
+
+def residual(w: torch.Tensor, n: int, generator: torch.Generator) -> torch.Tensor:
+    """floor(n w̄_j) deterministic copies of j, the remaining r draws multinomial on the residue."""
+    copies = torch.floor(n * w).long()
+    ancestors = torch.repeat_interleave(torch.arange(w.numel(), device=w.device), copies)
+    r = n - int(copies.sum())
+    if r == 0:
+        return ancestors
+    residue = n * w - copies
+    rest = multinomial(residue / residue.sum(), r, generator)
+    return torch.cat([ancestors, rest]).sort().values
+
+
+RESAMPLERS: dict[str, Callable[[torch.Tensor, int, torch.Generator], torch.Tensor]] = {
+    "systematic": systematic,
+    "multinomial": multinomial,
+    "stratified": stratified,
+    "residual": residual,
+}
+
+
+def check_resampler(name: str) -> None:
+    """Raise a ValueError listing the valid names when `name` is not a resampling scheme."""
+    if name not in RESAMPLERS:
+        raise ValueError(f"unknown resampling scheme {name!r}; choose one of {sorted(RESAMPLERS)}")
+
+
+def resample(logw: torch.Tensor, generator: torch.Generator, scheme: str = "systematic") -> torch.Tensor:
+    """Ancestor indices for N particles drawn ∝ exp(logw) by `scheme`.
+
+    Args:
+        logw: [N] float log weights, at least one finite.
+        generator: the run's random generator.
+        scheme: a key of RESAMPLERS.
+
+    Returns:
+        [N] int64 ancestor indices, sorted ascending.
+    """
+    check_resampler(scheme)
+    return RESAMPLERS[scheme](normalised_weights(logw), logw.numel(), generator)
+
+
+def log_mean_weight(logw: torch.Tensor) -> float:
+    """log (1/N) sum_i exp(logw_i): the factor a resampling step contributes to log Z_hat."""
+    return float(torch.logsumexp(logw.double(), 0)) - math.log(logw.numel())

@@ -1,0 +1,149 @@
+"""What a run returns: every particle, its weight, log Z_hat, and a per-cycle diagnostics trace.
+
+The interface follows genlm-control's `Sequences`: `posterior` and `decoded_posterior` map
+outputs to normalised weights, `log_ml` is the log marginal-likelihood estimate log Z_hat and
+`ess` the final effective sample size. The speculative diagnostics ride along in `cycles`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from smc_sd.engine.resampling import effective_sample_size, normalised_weights
+
+
+@dataclass(frozen=True)
+class CycleStats:
+    """Diagnostics of one cycle (one target pass).
+
+    Attributes:
+        ess: effective sample size after the cycle's weight update, before any resampling.
+        resampled: whether the cycle resampled.
+        log_z: log Z_hat accumulated up to and including this cycle's resampling.
+        tokens: positions each particle advanced (K + 1, fewer when the token budget cut in).
+        particles: N.
+        accepted: for exact speculative decoding, draft tokens accepted (else None).
+    """
+
+    ess: float
+    resampled: bool
+    log_z: float
+    tokens: int
+    particles: int
+    accepted: int | None = None
+
+    @property
+    def chi_square(self) -> float:
+        """N / ESS - 1, an estimate of the chi-square divergence of target from proposal."""
+        return math.inf if self.ess == 0 else self.particles / self.ess - 1
+
+
+@dataclass
+class Result:
+    """The outcome of one run.
+
+    Attributes:
+        method: the program's name.
+        prompt: prompt token ids.
+        particles: N lists of generated token ids (each ends at its EOS, if any).
+        finished: N flags, True where the particle produced EOS.
+        log_weights: [N] float64 final log weights, relative to the last resampling.
+        log_ml: log Z_hat, the log of SMC's unbiased estimate of the target's normaliser.
+        chosen: index of the returned particle, drawn ∝ final weights.
+        cycles: one CycleStats per target pass after the prompt's.
+        target_passes: target forward calls after the prompt's.
+        draft_passes: draft forward calls.
+        seconds: wall time of the run.
+        decode: token ids to text.
+    """
+
+    method: str
+    prompt: list[int]
+    particles: list[list[int]]
+    finished: list[bool]
+    log_weights: torch.Tensor
+    log_ml: float
+    chosen: int
+    cycles: list[CycleStats]
+    target_passes: int
+    draft_passes: int
+    seconds: float
+    decode: Callable[[list[int]], str] = field(repr=False, default=str)
+
+    @property
+    def tokens(self) -> list[int]:
+        """The returned particle's generated token ids."""
+        return self.particles[self.chosen]
+
+    @property
+    def text(self) -> str:
+        """The returned particle's text."""
+        return self.decode(self.tokens)
+
+    @property
+    def ess(self) -> float:
+        """Effective sample size of the final weights."""
+        return effective_sample_size(self.log_weights)
+
+    @property
+    def resamples(self) -> int:
+        """Number of cycles that resampled."""
+        return sum(c.resampled for c in self.cycles)
+
+    @property
+    def tokens_per_second(self) -> float:
+        """Generated tokens of the returned particle per second of wall time."""
+        return len(self.tokens) / self.seconds if self.seconds > 0 else math.inf
+
+    @property
+    def posterior(self) -> dict[tuple[int, ...], float]:
+        """Token sequences to normalised weight (particles with equal tokens merged)."""
+        return self._aggregate(lambda ids: tuple(ids), only_finished=False)
+
+    @property
+    def decoded_posterior(self) -> dict[str, float]:
+        """Text of finished particles to normalised weight (renormalised over finished ones)."""
+        return self._aggregate(self.decode, only_finished=True)
+
+    def _aggregate(self, key, only_finished: bool) -> dict:
+        logw = self.log_weights.clone()
+        if only_finished:
+            logw[~torch.tensor(self.finished, dtype=torch.bool)] = -math.inf
+        if not torch.isfinite(logw).any():
+            return {}
+        weights = normalised_weights(logw)
+        out: dict = defaultdict(float)
+        for ids, w in zip(self.particles, weights.tolist()):
+            if w > 0:
+                out[key(ids)] += w
+        return dict(out)
+
+    def to_json(self) -> dict:
+        """The machine-readable summary `smc-sd generate --json` prints."""
+        return {
+            "method": self.method,
+            "text": self.text,
+            "new_tokens": len(self.tokens),
+            "seconds": self.seconds,
+            "tokens_per_second": self.tokens_per_second,
+            "target_passes": self.target_passes,
+            "draft_passes": self.draft_passes,
+            "particles": len(self.particles),
+            "resamples": self.resamples,
+            "ess": [c.ess for c in self.cycles],
+            "log_z": self.log_ml,
+            "finished": self.finished[self.chosen],
+        }
+
+
+class AllParticlesDiedError(RuntimeError):
+    """Every particle reached weight zero; `partial` holds the run up to that point."""
+
+    def __init__(self, message: str, partial: Result):
+        super().__init__(message)
+        self.partial = partial

@@ -1,0 +1,97 @@
+"""Exact speculative decoding (Leviathan et al. 2022; Chen et al. 2023), the baseline.
+
+One cycle: the draft samples x_1..x_K ~ q; one target pass gives p at every position. Draft
+token x_k is accepted with probability min(1, p(x_k) / q(x_k)); at the first rejection the cycle
+emits a token from norm(max(0, p - q)) and stops; if all K are accepted it emits a bonus token from
+p. The emitted sequence is distributed exactly as p_T. Rejected tokens are rolled back from both
+caches with `truncate`.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from smc_sd.engine.result import CycleStats, Result
+from smc_sd.engine.sampling import gather_last, sample_tokens, tempered_logprobs
+from smc_sd.engine.smc import draft_block, trim_at_eos
+
+
+def accept_or_resample(
+    drafted: torch.Tensor, logq: torch.Tensor, logp: torch.Tensor, generator: torch.Generator
+) -> tuple[int, int]:
+    """The accept/reject rule for one sequence.
+
+    Args:
+        drafted: [K] int64 drafted tokens.
+        logq: [K, V] float32 log q at each drafted position (the distributions sampled from).
+        logp: [K + 1, V] float32 log p_T at each drafted position and after the last one.
+
+    Returns:
+        (accepted, token): the number of draft tokens kept, and the token emitted after them
+        (residual draw on rejection, bonus draw from p on full acceptance).
+    """
+    k = drafted.numel()
+    log_ratio = gather_last(logp[:k], drafted) - gather_last(logq, drafted)
+    log_u = torch.log(torch.rand(k, generator=generator, dtype=torch.float64))
+    rejected = (log_u >= log_ratio.double()).nonzero()
+    if rejected.numel() == 0:
+        return k, int(sample_tokens(logp[k][None], generator))
+    j = int(rejected[0])
+    # rejection needs p(x_j) < q(x_j), so max(0, p - q) has positive mass
+    residual = torch.clamp(logp[j].exp() - logq[j].exp(), min=0.0)
+    return j, int(torch.multinomial(residual, 1, generator=generator))
+
+
+def run_speculative(plan, prompt: list[int], generator: torch.Generator, on_cycle=None) -> Result:
+    """Run an accept/reject StepPlan: one sequence, K drafted tokens per cycle."""
+    start = time.perf_counter()
+    k, eos = plan.draft_len, plan.target.vocabulary.eos_token_id
+    target_rows, first_logits = plan.target.open(prompt, 1)
+    draft_rows = plan.draft.open(prompt, 1)[0]
+    try:
+        first = sample_tokens(tempered_logprobs(first_logits, plan.target_temperature)[None], generator)
+        tokens = [int(first)]
+        # tokens of the prefix the draft has not read yet
+        draft_unseen = [tokens[0]]
+        cycles: list[CycleStats] = []
+        while len(tokens) < plan.max_tokens and tokens[-1] != eos:
+            draft_length_before = draft_rows.length
+            target_length_before = target_rows.length
+            drafted, logq = draft_block(draft_rows, torch.tensor([draft_unseen]), k, plan.draft_temperature, generator)
+            drafted, logq = drafted[0], logq[0]
+            # [K + 1, V]: log p_T after the last emitted token and after each drafted token
+            logp = tempered_logprobs(
+                target_rows.extend(torch.tensor([[tokens[-1]] + drafted.tolist()]))[0], plan.target_temperature
+            )
+            accepted, emitted = accept_or_resample(drafted, logq, logp, generator)
+            # the target keeps the last emitted token and the accepted drafts
+            target_rows.truncate(target_length_before + 1 + accepted)
+            # the draft read draft_unseen and drafted[:K-1]; keep what is still on the path
+            kept_by_draft = min(accepted, k - 1)
+            draft_rows.truncate(draft_length_before + len(draft_unseen) + kept_by_draft)
+            draft_unseen = drafted[kept_by_draft:accepted].tolist() + [emitted]
+            new = trim_at_eos(drafted[:accepted].tolist() + [emitted], eos)
+            new = new[: plan.max_tokens - len(tokens)]
+            tokens += new
+            cycles.append(CycleStats(1.0, False, 0.0, len(new), 1, accepted=accepted))
+            if on_cycle is not None:
+                on_cycle(cycles[-1], [tokens])
+        return Result(
+            method=plan.name,
+            prompt=prompt,
+            particles=[tokens],
+            finished=[tokens[-1] == eos],
+            log_weights=torch.zeros(1, dtype=torch.float64),
+            log_ml=0.0,
+            chosen=0,
+            cycles=cycles,
+            target_passes=len(cycles),
+            draft_passes=k * len(cycles),
+            seconds=time.perf_counter() - start,
+            decode=plan.target.decode,
+        )
+    finally:
+        target_rows.close()
+        draft_rows.close()

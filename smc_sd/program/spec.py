@@ -1,0 +1,111 @@
+"""The program's parts as frozen dataclasses; `Program.run` compiles and executes."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Literal
+
+from smc_sd.backends.base import LanguageModel
+from smc_sd.engine.result import CycleStats, Result
+
+
+@dataclass(frozen=True)
+class Target:
+    """The distribution to sample: pi(x) ∝ p_T(x)^alpha.
+
+    Attributes:
+        lm: the target language model.
+        temperature: T > 0; p_T = softmax(logits / T).
+        alpha: power > 0 (1 = plain sampling at temperature T).
+    """
+
+    lm: LanguageModel
+    temperature: float = 1.0
+    alpha: float = 1.0
+
+
+@dataclass(frozen=True)
+class Proposal:
+    """Where tokens come from: K tokens drawn autoregressively from a draft LM per cycle.
+
+    Attributes:
+        lm: the draft language model (must share the target's tokenizer).
+        temperature: T_d > 0; q = softmax(draft logits / T_d).
+        draft_len: K >= 1 tokens per particle per cycle.
+    """
+
+    lm: LanguageModel
+    temperature: float = 1.0
+    draft_len: int = 4
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """How the particles run.
+
+    Attributes:
+        particles: N >= 1.
+        ess_threshold: tau in [0, 1]; resample when ESS < tau N (0 = never).
+        resampling: "systematic", "multinomial", "stratified" or "residual".
+        max_tokens: generated tokens per particle, at most.
+    """
+
+    particles: int = 4
+    ess_threshold: float = 0.5
+    resampling: str = "systematic"
+    max_tokens: int = 128
+
+
+Verification = Literal["importance", "accept-reject"]
+
+
+@dataclass(frozen=True)
+class Program:
+    """A decoding program.
+
+    Attributes:
+        name: what results call the method ("ar", "sd", "smc-sd", ...).
+        target: the distribution to sample.
+        proposal: the draft, or None to propose one token per cycle from the target (K = 0).
+        verification: "importance" weights every particle by target / proposal and resamples
+            (SMC-SD); "accept-reject" is exact speculative decoding (one particle, min(1, p/q)
+            acceptance, residual resampling), whose output distribution is p_T exactly.
+    """
+
+    name: str
+    target: Target
+    proposal: Proposal | None = None
+    verification: Verification = "importance"
+
+    def run(
+        self,
+        prompt: list[int],
+        schedule: Schedule = Schedule(),
+        seed: int = 0,
+        on_cycle: Callable[[CycleStats, list[list[int]]], None] | None = None,
+    ) -> Result:
+        """Compile the program for this schedule and run it on one prompt.
+
+        Args:
+            prompt: prompt token ids (non-empty).
+            schedule: particles, resampling and token budget.
+            seed: seeds the run's own random generator; equal seeds give equal results.
+            on_cycle: called after every cycle with its stats and the particles' token ids.
+        """
+        from smc_sd.compiler import compile_program
+
+        plan = compile_program(self, schedule, prompt_length=len(prompt))
+        return plan.execute(prompt, seed=seed, on_cycle=on_cycle)
+
+    def smc(
+        self,
+        prompt: list[int],
+        n_particles: int,
+        ess_threshold: float = 0.5,
+        max_tokens: int = 128,
+        resampling: str = "systematic",
+        seed: int = 0,
+    ) -> Result:
+        """genlm-control style entry point: `run` with the schedule spelled out."""
+        schedule = Schedule(n_particles, ess_threshold, resampling, max_tokens)
+        return self.run(prompt, schedule, seed=seed)
