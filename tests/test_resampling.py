@@ -1,0 +1,67 @@
+"""Laws of the resampling schemes and the ESS."""
+
+import math
+
+import pytest
+import torch
+
+from smc_sd.engine.resampling import RESAMPLERS, effective_sample_size, log_mean_weight, resample
+
+
+@pytest.mark.parametrize("scheme", sorted(RESAMPLERS))
+def test_ancestor_counts_are_unbiased(scheme):
+    generator = torch.Generator().manual_seed(0)
+    w = torch.tensor([0.5, 0.0, 0.2, 0.05, 0.25], dtype=torch.float64)
+    n, runs = w.numel(), 20000
+    counts = torch.zeros(n, dtype=torch.float64)
+    for _ in range(runs):
+        a = resample(w.log(), generator, scheme)
+        assert a.numel() == n and a.min() >= 0 and a.max() < n
+        counts.index_add_(0, a, torch.ones(n, dtype=torch.float64))
+    expected = n * w
+    # each count's variance per run is at most n w (1 - w) (multinomial, the worst scheme)
+    std_error = torch.sqrt(n * w * (1 - w) / runs)
+    assert torch.all((counts / runs - expected).abs() <= 5 * std_error + 1e-12)
+    assert counts[1] == 0, "a zero-weight particle was chosen"
+
+
+def test_systematic_keeps_floor_to_ceil_copies_and_residual_keeps_floor():
+    generator = torch.Generator().manual_seed(1)
+    w = torch.tensor([0.45, 0.3, 0.25], dtype=torch.float64)
+    for _ in range(200):
+        systematic = torch.bincount(resample(w.log(), generator, "systematic"), minlength=3)
+        assert torch.all(systematic >= torch.floor(3 * w)) and torch.all(systematic <= torch.ceil(3 * w))
+        residual = torch.bincount(resample(w.log(), generator, "residual"), minlength=3)
+        assert torch.all(residual >= torch.floor(3 * w))
+
+
+def test_systematic_never_returns_index_n_under_round_off():
+    generator = torch.Generator().manual_seed(2)
+    # weights whose float64 cumulative sum falls short of 1
+    logw = torch.full((1000,), -1e-3, dtype=torch.float64) + torch.linspace(0, 1e-12, 1000, dtype=torch.float64)
+    for _ in range(100):
+        assert resample(logw, generator, "systematic").max() < 1000
+
+
+def test_dead_particles_are_never_resampled_and_all_dead_is_an_error():
+    generator = torch.Generator().manual_seed(3)
+    logw = torch.tensor([-math.inf, 0.0, -math.inf, -2.0], dtype=torch.float64)
+    for scheme in RESAMPLERS:
+        a = resample(logw, generator, scheme)
+        assert set(a.tolist()) <= {1, 3}
+    dead = torch.full((4,), -math.inf, dtype=torch.float64)
+    assert effective_sample_size(dead) == 0.0
+    assert log_mean_weight(dead) == -math.inf
+    with pytest.raises(ValueError, match="weight zero"):
+        resample(dead, generator)
+
+
+def test_ess_bounds():
+    assert effective_sample_size(torch.zeros(8)) == pytest.approx(8.0)
+    assert effective_sample_size(torch.tensor([0.0, -math.inf, -math.inf])) == pytest.approx(1.0)
+    assert 1.0 < effective_sample_size(torch.tensor([0.0, -1.0, -2.0])) < 3.0
+
+
+def test_unknown_scheme_lists_the_valid_ones():
+    with pytest.raises(ValueError, match="systematic"):
+        resample(torch.zeros(3), torch.Generator(), "bogus")
