@@ -1,0 +1,175 @@
+"""Laws every `LanguageModel` backend must satisfy, as assertions for its tests.
+
+Each function raises AssertionError naming the law and the largest deviation. Logits are compared
+raw ([..., V] float32) with an absolute tolerance, so `atol` must cover the backend's numerical
+noise between batched and unbatched forwards. For SmolLM2-135M in fp32 on CPU that noise is up to
+5e-5 on natural text and 1.3e-4 on random token ids, whose logits reach |34|.
+
+Dimension letters: B rows, T continuation tokens, V vocabulary.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from smc_sd.backends.base import LanguageModel
+
+
+def assert_logits_finite(logits: torch.Tensor, what: str = "logits") -> None:
+    """Law: logits hold no NaN and no +-inf (masking belongs to the caller, not the backend).
+
+    Args:
+        logits: [..., V] float32.
+        what: a name for the message.
+    """
+    bad = ~torch.isfinite(logits)
+    if bad.any():
+        raise AssertionError(f"{what}: {int(bad.sum())} of {logits.numel()} entries are not finite")
+
+
+def assert_extend_matches_full_forward(
+    lm: LanguageModel, prompt: list[int], continuation_rows: torch.Tensor, atol: float
+) -> None:
+    """Law: extend is the autoregressive factorisation, whatever the chunking.
+
+    With rows = open(prompt, B) and the continuation appended in chunks of 1, 3 and the rest
+    tokens, for every row b and column t
+
+        extend logits[b, t] == open(prompt + continuation_rows[b, : t + 1], 1) logits,
+
+    the right side being a fresh forward over the whole prefix.
+
+    Args:
+        lm: the backend.
+        prompt: at least one token id.
+        continuation_rows: [B, T] int64, T >= 1; rows may differ.
+        atol: the largest allowed absolute difference of any logit.
+    """
+    continuation_rows = torch.as_tensor(continuation_rows, dtype=torch.long)
+    batch, steps = continuation_rows.shape
+    rows, _ = lm.open(prompt, batch)
+    chunks = []
+    start = 0
+    for size in (1, 3, steps):
+        stop = min(start + size, steps)
+        if stop > start:
+            logits = rows.extend(continuation_rows[:, start:stop])
+            _assert_logits_shape(logits, (batch, stop - start, lm.vocabulary.size), "extend")
+            chunks.append(logits)
+        start = stop
+    # [B, T, V]
+    chunked = torch.cat(chunks, dim=1)
+    if rows.length != len(prompt) + steps:
+        raise AssertionError(f"length is {rows.length} after extending, not {len(prompt) + steps}")
+    for b in range(batch):
+        for t in range(steps):
+            prefix = prompt + continuation_rows[b, : t + 1].tolist()
+            fresh_rows, fresh = lm.open(prefix, 1)
+            fresh_rows.close()
+            _assert_close(chunked[b, t], fresh, atol, f"extend row {b} column {t} vs a fresh open")
+    rows.close()
+
+
+def assert_select_consistent(
+    lm: LanguageModel,
+    prompt: list[int],
+    continuation_rows: torch.Tensor,
+    ancestors: torch.Tensor,
+    atol: float,
+) -> None:
+    """Law: select(a) then extend equals extending the old rows a[i].
+
+    The continuation's first half makes the rows differ; then, with x its second half,
+
+        (select(a); extend(x[a]))[i] == extend(x)[a[i]]    for every i,
+
+    where the right side extends a second, unselected copy of the rows.
+
+    Args:
+        lm: the backend.
+        prompt: at least one token id.
+        continuation_rows: [B, T] int64, T >= 2.
+        ancestors: [B'] int64 in 0 .. B-1; repeats (and B' != B) exercise forking and dropping.
+        atol: the largest allowed absolute difference of any logit.
+    """
+    continuation_rows = torch.as_tensor(continuation_rows, dtype=torch.long)
+    ancestors = torch.as_tensor(ancestors, dtype=torch.long)
+    batch, steps = continuation_rows.shape
+    if steps < 2:
+        raise ValueError(f"the continuation needs at least 2 tokens, got {steps}")
+    half = steps // 2
+    before, after = continuation_rows[:, :half], continuation_rows[:, half:]
+    reference_rows, _ = lm.open(prompt, batch)
+    reference_rows.extend(before)
+    # [B, T - half, V]
+    reference = reference_rows.extend(after)
+    reference_rows.close()
+
+    rows, _ = lm.open(prompt, batch)
+    rows.extend(before)
+    rows.select(ancestors)
+    if rows.batch_size != len(ancestors) or rows.length != len(prompt) + half:
+        raise AssertionError(
+            f"after select of {len(ancestors)} rows: batch_size {rows.batch_size}, "
+            f"length {rows.length} (expected {len(ancestors)}, {len(prompt) + half})"
+        )
+    # [B', T - half, V]
+    selected = rows.extend(after[ancestors])
+    rows.close()
+    _assert_close(selected, reference[ancestors.to(reference.device)], atol, "extend after select")
+
+
+def assert_truncate_consistent(
+    lm: LanguageModel, prompt: list[int], continuation_rows: torch.Tensor, kept: int, atol: float
+) -> None:
+    """Law: truncate(n) then extend equals never having appended past n.
+
+    With c = continuation_rows and n = len(prompt) + kept: extend(c[:, :kept]), extend some other
+    tokens, truncate(n), then extend(c[:, kept:]) gives the logits that extend(c) gives at
+    columns kept .. T-1.
+
+    Args:
+        lm: the backend.
+        prompt: at least one token id.
+        continuation_rows: [B, T] int64.
+        kept: continuation tokens kept, 0 <= kept < T.
+        atol: the largest allowed absolute difference of any logit.
+    """
+    continuation_rows = torch.as_tensor(continuation_rows, dtype=torch.long)
+    batch, steps = continuation_rows.shape
+    if not 0 <= kept < steps:
+        raise ValueError(f"kept must be in 0 .. {steps - 1}, got {kept}")
+    rows, _ = lm.open(prompt, batch)
+    # [B, T, V]
+    reference = rows.extend(continuation_rows)
+    rows.close()
+
+    rows, _ = lm.open(prompt, batch)
+    if kept:
+        rows.extend(continuation_rows[:, :kept])
+    # tokens that must be forgotten: the rest of the continuation, reversed
+    rows.extend(continuation_rows[:, kept:].flip(1))
+    rows.truncate(len(prompt) + kept)
+    if rows.length != len(prompt) + kept:
+        raise AssertionError(f"length is {rows.length} after truncate({len(prompt) + kept})")
+    # [B, T - kept, V]
+    resumed = rows.extend(continuation_rows[:, kept:])
+    rows.close()
+    _assert_close(resumed, reference[:, kept:], atol, f"extend after truncate to {kept} kept")
+
+
+def _assert_logits_shape(logits: torch.Tensor, shape: tuple[int, ...], what: str) -> None:
+    if tuple(logits.shape) != shape or logits.dtype != torch.float32:
+        raise AssertionError(
+            f"{what} returned {tuple(logits.shape)} {logits.dtype}, expected {shape} float32"
+        )
+
+
+def _assert_close(actual: torch.Tensor, expected: torch.Tensor, atol: float, what: str) -> None:
+    if actual.shape != expected.shape:
+        raise AssertionError(f"{what}: shape {tuple(actual.shape)} != {tuple(expected.shape)}")
+    expected = expected.to(actual.device)
+    # equal entries (a -inf logit on both sides included) deviate by 0; a NaN never passes
+    deviation = torch.where(actual == expected, 0.0, (actual - expected).abs()).max().item()
+    if not deviation <= atol:
+        raise AssertionError(f"{what}: logits differ by up to {deviation:.3g} > atol {atol:.3g}")

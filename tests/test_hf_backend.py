@@ -1,0 +1,136 @@
+"""The transformers backend on the real default model: the backend laws, greedy decoding, drafts."""
+
+import dataclasses
+import types
+
+import pytest
+import torch
+
+from smc_sd import testing
+from smc_sd.backends.base import TokenizerMismatchError, check_same_vocabulary
+from smc_sd.backends.hf import HFLanguageModel, chat_prompt
+
+pytestmark = pytest.mark.model
+
+ATOL = 1e-4
+PARIS_QUESTION = "What is the capital of France? Answer in one sentence."
+
+
+@pytest.fixture(scope="module")
+def prompt(default_lm):
+    return chat_prompt(default_lm.tokenizer, PARIS_QUESTION)
+
+
+def greedy(lm, prompt, max_tokens):
+    """Greedy reply token ids by repeated 1-token extends, stopping at end-of-sequence."""
+    rows, logits = lm.open(prompt, 1)
+    reply = []
+    while len(reply) < max_tokens:
+        token = int(logits.argmax())
+        if token == lm.vocabulary.eos_token_id:
+            break
+        reply.append(token)
+        logits = rows.extend(torch.tensor([[token]]))[0, -1]
+    rows.close()
+    return reply
+
+
+@pytest.fixture(scope="module")
+def continuation_rows(default_lm, prompt):
+    """[2, 6] int64: the greedy reply and the reply shifted by one token, so rows differ.
+
+    Natural text keeps logits in the model's usual range, where fp32 batching noise is ~5e-5.
+    """
+    reply = greedy(default_lm, prompt, 7)
+    return torch.tensor([reply[:6], reply[1:7]])
+
+
+def test_prompt_is_a_list_of_ints(prompt):
+    assert isinstance(prompt, list) and all(type(token) is int for token in prompt)
+
+
+def test_greedy_answer_is_paris(default_lm, prompt):
+    reply = greedy(default_lm, prompt, 20)
+    assert default_lm.decode(reply) == "The capital of France is Paris."
+
+
+def test_extend_matches_full_forward(default_lm, prompt, continuation_rows):
+    testing.assert_extend_matches_full_forward(default_lm, prompt, continuation_rows, ATOL)
+
+
+@pytest.mark.parametrize("ancestors", [[1, 1, 0], [0, 0]], ids=["fork", "shrink"])
+def test_select_consistent(default_lm, prompt, continuation_rows, ancestors):
+    testing.assert_select_consistent(
+        default_lm, prompt, continuation_rows, torch.tensor(ancestors), ATOL
+    )
+
+
+@pytest.mark.parametrize("kept", [0, 3])
+def test_truncate_consistent(default_lm, prompt, continuation_rows, kept):
+    testing.assert_truncate_consistent(default_lm, prompt, continuation_rows, kept, ATOL)
+
+
+def test_open_logits(default_lm, prompt):
+    rows, logits = default_lm.open(prompt, 3)
+    assert logits.shape == (default_lm.vocabulary.size,) and logits.dtype == torch.float32
+    testing.assert_logits_finite(logits)
+    assert (rows.batch_size, rows.length) == (3, len(prompt))
+    # logits leave inference mode, so callers may edit them in place
+    logits[0] = 0.0
+
+
+def test_vocabulary(default_lm):
+    vocabulary = default_lm.vocabulary
+    assert vocabulary.size == 49152
+    assert vocabulary.eos_token_id == default_lm.tokenizer.convert_tokens_to_ids("<|im_end|>")
+    assert default_lm.max_length == 8192
+
+
+def test_draft_obeys_the_laws(default_draft, prompt, continuation_rows):
+    assert len(default_draft.model.get_decoder().layers) == 29
+    testing.assert_extend_matches_full_forward(default_draft, prompt, continuation_rows[:1], ATOL)
+    testing.assert_select_consistent(
+        default_draft, prompt, continuation_rows, torch.tensor([1, 0, 1]), ATOL
+    )
+
+
+def test_draft_shares_the_vocabulary(default_lm, default_draft):
+    assert default_draft.vocabulary.fingerprint == default_lm.vocabulary.fingerprint
+    check_same_vocabulary(default_draft, default_lm)
+
+
+@pytest.mark.parametrize(
+    "change", [{"fingerprint": "0" * 64}, {"size": 49153}, {"eos_token_id": 0}]
+)
+def test_mismatched_vocabulary_is_refused(default_lm, change):
+    other = types.SimpleNamespace(vocabulary=dataclasses.replace(default_lm.vocabulary, **change))
+    with pytest.raises(TokenizerMismatchError):
+        check_same_vocabulary(other, default_lm)
+
+
+def test_invalid_inputs_are_refused(default_lm, prompt):
+    with pytest.raises(ValueError, match="at least one token"):
+        default_lm.open([], 1)
+    with pytest.raises(ValueError, match="batch_size"):
+        default_lm.open(prompt, 0)
+    rows, _ = default_lm.open(prompt, 2)
+    for tokens in [torch.tensor([1, 2]), torch.tensor([[1], [2], [3]]), torch.zeros(2, 0)]:
+        with pytest.raises(ValueError, match="shape"):
+            rows.extend(tokens.long())
+    with pytest.raises(ValueError, match="integer"):
+        rows.extend(torch.zeros(2, 1))
+    with pytest.raises(ValueError, match="truncate"):
+        rows.truncate(len(prompt) + 1)
+    with pytest.raises(ValueError, match="rows"):
+        rows.select(torch.tensor([2]))
+    rows.close()
+    rows.close()
+    with pytest.raises(ValueError, match="closed"):
+        rows.extend(torch.tensor([[1], [2]]))
+
+
+def test_drop_layers_validates_indices(default_lm):
+    from smc_sd.backends.hf import drop_decoder_layers
+
+    with pytest.raises(ValueError, match="0 .. 29"):
+        drop_decoder_layers(default_lm.model, [30])
