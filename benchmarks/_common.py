@@ -1,0 +1,111 @@
+"""Helpers every benchmark shares: model loading, program building, statistics and output.
+
+Each benchmark prints one JSON object to stdout, writes the same object to
+`benchmarks/results/<name>.json` and its plots to `benchmarks/results/<name>*.png`.
+"""
+
+from __future__ import annotations
+
+import datetime
+import inspect
+import json
+import math
+import os
+import pathlib
+import platform
+import sys
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import torch
+
+RESULTS = pathlib.Path(__file__).resolve().parent / "results"
+
+
+def load_default_models(draft_dir: str | None = None):
+    """(target, draft): the embedded default model and the default draft (or a local draft dir)."""
+    from smc_sd.backends.hf import HFLanguageModel
+
+    target = HFLanguageModel.default()
+    if draft_dir is None:
+        return target, HFLanguageModel.default_draft()
+    return target, HFLanguageModel.from_pretrained(draft_dir)
+
+
+def build_program(method: str, target, draft, **options):
+    """The shipped program `method` ("ar", "sd", "smc-sd", ...) with the options it accepts.
+
+    Options the program's builder does not take (e.g. draft_len for "ar") are dropped; an alpha
+    other than 1 for a program without one is an error, since it would silently change the target.
+    """
+    from smc_sd.programs import get
+
+    module = get(method)
+    accepted = inspect.signature(module.program).parameters
+    if options.get("alpha", 1.0) != 1.0 and "alpha" not in accepted:
+        raise ValueError(f"method {method!r} samples p_T; alpha={options['alpha']} needs smc-sd")
+    kept = {k: v for k, v in options.items() if k in accepted}
+    return module.program(target, **kept) if method == "ar" else module.program(target, draft, **kept)
+
+
+def mean_stderr(values: list[float]) -> tuple[float, float]:
+    """Sample mean and its standard error s / sqrt(n) (nan for n < 2)."""
+    n = len(values)
+    mean = sum(values) / n
+    if n < 2:
+        return mean, math.nan
+    var = sum((v - mean) ** 2 for v in values) / (n - 1)
+    return mean, math.sqrt(var / n)
+
+
+def wilson_interval(successes: int, n: int, z: float = 1.96) -> tuple[float, float]:
+    """The Wilson score interval for a binomial proportion (95% for z = 1.96)."""
+    if n == 0:
+        return 0.0, 1.0
+    p = successes / n
+    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
+    return max(0.0, centre - half), min(1.0, centre + half)
+
+
+def environment() -> dict:
+    """Where and when the numbers were measured."""
+    return {
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "machine": platform.processor() or platform.machine(),
+        "cpus": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+        "command": " ".join([pathlib.Path(sys.argv[0]).name] + sys.argv[1:]),
+    }
+
+
+def emit(name: str, data: dict, write: bool = True) -> None:
+    """Print `data` as JSON to stdout and (with write) save it as results/<name>.json."""
+    text = json.dumps(data, indent=1)
+    print(text, flush=True)
+    if write:
+        RESULTS.mkdir(parents=True, exist_ok=True)
+        (RESULTS / f"{name}.json").write_text(text + "\n")
+
+
+def pyplot():
+    """matplotlib.pyplot on the non-interactive Agg backend."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def save_figure(fig, name: str) -> str:
+    """Save a figure as results/<name>.png and close it; return the path."""
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    path = RESULTS / f"{name}.png"
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    fig.clf()
+    return str(path.relative_to(RESULTS.parent.parent))

@@ -1,0 +1,152 @@
+"""Speed of ar, exact sd and smc-sd on the default model, in one run, with ratios to ar.
+
+For every configuration in CONFIGS (edit or extend the list; `--grid` swaps in a bigger N x K
+grid) each prompt is decoded once with a fixed seed. Reported per configuration:
+- tokens_per_second: generated tokens of the returned text / wall seconds (model load excluded);
+- target_passes_per_token: target forwards, the prompt's included, per generated token;
+- speedup_vs_ar: tokens_per_second / that of "ar" measured in the same run.
+
+On this project's CPU verification is not free (a [8, 5] forward costs about 3x a [1, 1] one)
+and the default draft is nearly as costly as the target, so CPU ratios show costs as measured;
+they are not GPU predictions (see gpu.py).
+
+Usage: python benchmarks/speed.py [--max-tokens 32] [--prompts 2] [--grid] [--draft DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from dataclasses import asdict, dataclass, field
+
+from _common import build_program, emit, environment, load_default_models, pyplot, save_figure
+
+PROMPTS = [
+    "Write a short story about a lighthouse keeper.",
+    "Explain how a bicycle works.",
+    "Describe your favourite city in detail.",
+    "List some uses of a paper clip and explain each.",
+]
+
+
+@dataclass(frozen=True)
+class Config:
+    """One measured configuration: a shipped method, its particles N and draft length K."""
+
+    method: str
+    particles: int = 1
+    draft_len: int = 0
+    options: dict = field(default_factory=dict)
+
+    @property
+    def label(self) -> str:
+        parts = [self.method]
+        if self.draft_len:
+            parts.append(f"K={self.draft_len}")
+        if self.method == "smc-sd":
+            parts.append(f"N={self.particles}")
+        parts += [f"{k}={v}" for k, v in sorted(self.options.items())]
+        return " ".join(parts)
+
+
+CONFIGS = [
+    Config("ar"),
+    Config("sd", draft_len=2),
+    Config("sd", draft_len=4),
+    Config("smc-sd", particles=2, draft_len=2),
+    Config("smc-sd", particles=4, draft_len=2),
+    Config("smc-sd", particles=4, draft_len=4),
+    Config("smc-sd", particles=8, draft_len=4),
+]
+
+
+def grid(particles=(1, 2, 4, 8, 16), draft_lens=(1, 2, 4, 8)) -> list[Config]:
+    """ar, sd at every K and smc-sd at every (N, K)."""
+    configs = [Config("ar")] + [Config("sd", draft_len=k) for k in draft_lens]
+    return configs + [Config("smc-sd", particles=n, draft_len=k) for n in particles for k in draft_lens]
+
+
+def measure(config: Config, target, draft, prompts: list[list[int]], max_tokens: int, seed: int) -> dict:
+    """Decode every prompt once; sum tokens, seconds and passes over the prompts."""
+    from smc_sd import Schedule
+
+    options = {"draft_len": config.draft_len, **config.options} if config.draft_len else dict(config.options)
+    program = build_program(config.method, target, draft, **options)
+    tokens = seconds = target_passes = draft_passes = resamples = 0
+    for i, prompt in enumerate(prompts):
+        result = program.run(prompt, Schedule(config.particles, max_tokens=max_tokens), seed=seed + i)
+        tokens += len(result.tokens)
+        seconds += result.seconds
+        # +1: the prompt's own forward, which also yields the first token
+        target_passes += result.target_passes + 1
+        draft_passes += result.draft_passes
+        resamples += result.resamples
+    return {
+        "label": config.label,
+        **asdict(config),
+        "tokens": tokens,
+        "seconds": seconds,
+        "tokens_per_second": tokens / seconds,
+        "target_passes_per_token": target_passes / tokens,
+        "draft_passes_per_token": draft_passes / tokens,
+        "resamples": resamples,
+    }
+
+
+def plot(rows: list[dict]) -> list[str]:
+    plt = pyplot()
+    labels = [r["label"] for r in rows]
+    colours = [{"ar": "grey", "sd": "tab:blue"}.get(r["method"], "tab:orange") for r in rows]
+    fig, axes = plt.subplots(1, 2, figsize=(11, 0.45 * len(rows) + 1.8))
+    axes[0].barh(labels, [r["tokens_per_second"] for r in rows], color=colours)
+    axes[0].set_xlabel("tokens / second (returned text, wall clock)")
+    axes[0].set_title("Decoding speed")
+    axes[1].barh(labels, [r["target_passes_per_token"] for r in rows], color=colours)
+    axes[1].set_xlabel("target forward passes per generated token")
+    axes[1].set_title("Target passes per token (lower is better)")
+    for ax in axes:
+        ax.invert_yaxis()
+        ax.grid(axis="x", alpha=0.3)
+    return [save_figure(fig, "speed")]
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--max-tokens", type=int, default=32, help="new tokens per prompt")
+    parser.add_argument("--prompts", type=int, default=2, help=f"how many of the {len(PROMPTS)} prompts")
+    parser.add_argument("--grid", action="store_true", help="N in 1..16 x K in 1..8 instead of CONFIGS")
+    parser.add_argument("--draft", default=None, help="a local draft model directory (default: the default draft)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--no-write", action="store_true", help="print JSON only; write no files")
+    args = parser.parse_args(argv)
+
+    from smc_sd.backends.hf import chat_prompt
+
+    target, draft = load_default_models(args.draft)
+    prompts = [chat_prompt(target.tokenizer, p) for p in PROMPTS[: args.prompts]]
+    # warm-up: the first forwards of a process are slower (allocations, kernel selection)
+    build_program("ar", target, draft).run(prompts[0], __import__("smc_sd").Schedule(1, max_tokens=4))
+
+    started = time.perf_counter()
+    rows = [measure(c, target, draft, prompts, args.max_tokens, args.seed) for c in (grid() if args.grid else CONFIGS)]
+    ar = next(r["tokens_per_second"] for r in rows if r["method"] == "ar")
+    for r in rows:
+        r["speedup_vs_ar"] = r["tokens_per_second"] / ar
+    data = {
+        "benchmark": "speed",
+        "model": "SmolLM2-135M-Instruct (fp32, CPU)",
+        "draft": args.draft or "default draft (target without decoder layer 5)",
+        "prompts": len(prompts),
+        "max_tokens": args.max_tokens,
+        "environment": environment(),
+        "wall_seconds": time.perf_counter() - started,
+        "rows": rows,
+    }
+    if not args.no_write:
+        data["plots"] = plot(rows)
+    emit("speed", data, write=not args.no_write)
+    return data
+
+
+if __name__ == "__main__":
+    main()
