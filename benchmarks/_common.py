@@ -25,10 +25,14 @@ RESULTS = pathlib.Path(__file__).resolve().parent / "results"
 def load_default_models(draft_dir: str | None = None):
     """(target, draft): the embedded default model and the default draft (or a local draft dir)."""
     from smc_sd.backends.hf import HFLanguageModel
+    from smc_sd.models.draft import is_draft_dir, load_draft
+    from smc_sd.models.smollm2 import default_model_dir
 
     target = HFLanguageModel.default()
     if draft_dir is None:
         return target, HFLanguageModel.default_draft()
+    if is_draft_dir(draft_dir):
+        return target, load_draft(default_model_dir(), draft_dir)
     return target, HFLanguageModel.from_pretrained(draft_dir)
 
 

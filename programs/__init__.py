@@ -13,6 +13,7 @@ MODULES = {
     "ar": "autoregressive",
     "sd": "speculative",
     "smc-sd": "smc_speculative",
+    "mask-at-verify": "mask_at_verify",
 }
 
 

@@ -34,7 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--resampling", default="systematic", help="systematic, multinomial, stratified or residual")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--target", default=None, help="local transformers model directory (default: SmolLM2-135M-Instruct)")
-    g.add_argument("--draft", default=None, help="local model directory sharing the target's tokenizer")
+    g.add_argument("--draft", default=None, help="local model directory sharing the target's tokenizer, or a distilled draft saved by smc_sd.models.distill")
     g.add_argument("--device", default="cpu", help="cpu or cuda")
     g.add_argument("--raw", action="store_true", help="use the prompt as is, without the chat template")
     g.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
@@ -44,6 +44,8 @@ def build_parser() -> argparse.ArgumentParser:
 def load_models(args):
     """The target and (for methods that draft) the draft, as HFLanguageModels."""
     from smc_sd.backends.hf import HFLanguageModel
+    from smc_sd.models.draft import is_draft_dir, load_draft
+    from smc_sd.models.smollm2 import default_model_dir
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     if args.target is None:
@@ -52,6 +54,8 @@ def load_models(args):
         target = HFLanguageModel.from_pretrained(args.target, device=args.device)
     if args.method == "ar":
         return target, None
+    if args.draft is not None and is_draft_dir(args.draft):
+        return target, load_draft(args.target or default_model_dir(), args.draft, device=args.device)
     if args.draft is not None:
         return target, HFLanguageModel.from_pretrained(args.draft, device=args.device)
     if args.target is None:

@@ -91,23 +91,41 @@ class ToyLM(LanguageModel):
         return "".join(chr(ord("a") + t) for t in token_ids if t != eos)
 
     def completion_distribution(
-        self, prompt: list[int], max_tokens: int, temperature: float = 1.0, alpha: float = 1.0
+        self,
+        prompt: list[int],
+        max_tokens: int,
+        temperature: float = 1.0,
+        alpha: float = 1.0,
+        constraint=None,
+        local: bool = False,
     ) -> tuple[dict[tuple[int, ...], float], float]:
         """The exact target over completions by enumeration.
 
+        Args:
+            constraint: an optional `TokenConstraint` phi; tokens its mask forbids are skipped.
+            local: with a constraint, renormalise p_T^alpha · m over the allowed tokens at every
+                step (the locally projected distribution that masking at verification samples).
+
         Returns:
-            ({completion: pi(completion)}, log Z) with pi ∝ prod_t p_T(x_t | x_<t)^alpha over
-            completions ending in EOS or of length max_tokens, and Z the sum of the unnormalised
-            weights.
+            ({completion: pi(completion)}, log Z) with pi ∝ prod_t p_T(x_t | x_<t)^alpha · phi(x)
+            over completions ending in EOS or of length max_tokens, and Z the sum of the
+            unnormalised weights (phi of a completion cut by max_tokens: 1 iff it is a viable
+            prefix).
         """
         eos = self._vocabulary.eos_token_id
         log_weights: dict[tuple[int, ...], float] = {}
         frontier = [((), 0.0)]
         while frontier:
             completion, logw = frontier.pop()
-            logp = torch.log_softmax(self.logits(tuple(prompt) + completion) / temperature, -1)
+            logp = alpha * torch.log_softmax(self.logits(tuple(prompt) + completion) / temperature, -1)
+            if constraint is not None:
+                logp = logp.masked_fill(~constraint.mask([list(completion)])[0], -math.inf)
+                if local:
+                    logp = logp - torch.logsumexp(logp, -1)
             for token, lp in enumerate(logp.tolist()):
-                extended, w = completion + (token,), logw + alpha * lp
+                if lp == -math.inf:
+                    continue
+                extended, w = completion + (token,), logw + lp
                 if token == eos or len(extended) == max_tokens:
                     log_weights[extended] = w
                 else:

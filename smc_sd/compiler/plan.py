@@ -16,6 +16,7 @@ from typing import Callable
 import torch
 
 from smc_sd.backends.base import ContextOverflowError, LanguageModel, check_same_vocabulary
+from smc_sd.compiler.masks import Masker
 from smc_sd.engine.resampling import check_resampler
 from smc_sd.engine.result import CycleStats, Result
 
@@ -35,6 +36,9 @@ class StepPlan:
         ess_threshold: tau.
         resampling: the resampling scheme's name.
         max_tokens: generated tokens per particle, at most.
+        masker: the conjunction of the target's boolean constraints as batched next-token
+            masks, or None when unconstrained.
+        twist: the program's twist (log psi of prefixes), or None.
     """
 
     name: str
@@ -49,6 +53,8 @@ class StepPlan:
     ess_threshold: float
     resampling: str
     max_tokens: int
+    masker: Masker | None = None
+    twist: Callable | None = None
 
     @property
     def tokens_per_pass(self) -> int:
@@ -90,6 +96,8 @@ def compile_program(program, schedule, prompt_length: int) -> StepPlan:
         TokenizerMismatchError: when draft and target do not share a tokenizer.
         ContextOverflowError: when prompt + generation cannot fit the models' context windows.
     """
+    from smc_sd.program.potentials import as_token_constraint
+
     target, proposal = program.target, program.proposal
     _require(prompt_length >= 1, "the prompt is empty; give at least one token")
     _require(schedule.particles >= 1, f"particles must be >= 1, got {schedule.particles}")
@@ -120,6 +128,11 @@ def compile_program(program, schedule, prompt_length: int) -> StepPlan:
                 f"({draft_len + 1}) needs {needed} positions, but the model's context window is "
                 f"{lm.max_length}"
             )
+    constraints = tuple(as_token_constraint(c, target.lm) for c in target.constraints)
+    _require(
+        program.twist is None or program.verification == "importance",
+        "a twist reweights particles; exact speculative decoding has none to reweight, use smc-sd",
+    )
     return StepPlan(
         name=program.name,
         verification=program.verification,
@@ -133,4 +146,6 @@ def compile_program(program, schedule, prompt_length: int) -> StepPlan:
         ess_threshold=schedule.ess_threshold,
         resampling=schedule.resampling,
         max_tokens=schedule.max_tokens,
+        masker=Masker(constraints, target.lm.vocabulary.size) if constraints else None,
+        twist=program.twist,
     )

@@ -60,6 +60,7 @@ class Result:
         draft_passes: draft forward calls.
         seconds: wall time of the run.
         decode: token ids to text.
+        mask_seconds: wall time spent computing constraint masks (0 when unconstrained).
     """
 
     method: str
@@ -74,6 +75,7 @@ class Result:
     draft_passes: int
     seconds: float
     decode: Callable[[list[int]], str] = field(repr=False, default=str)
+    mask_seconds: float = 0.0
 
     @property
     def tokens(self) -> list[int]:
@@ -138,6 +140,7 @@ class Result:
             "ess": [c.ess for c in self.cycles],
             "log_z": self.log_ml,
             "finished": self.finished[self.chosen],
+            "mask_seconds": self.mask_seconds,
         }
 
 

@@ -19,41 +19,97 @@ from __future__ import annotations
 
 import math
 import time
+from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
 from smc_sd.backends.base import Sequences
+from smc_sd.compiler.masks import apply_mask, masked_logprobs
 from smc_sd.engine.resampling import effective_sample_size, log_mean_weight, normalised_weights, resample
 from smc_sd.engine.result import AllParticlesDiedError, CycleStats, Result
 from smc_sd.engine.sampling import gather_last, sample_tokens, tempered_logprobs
+from smc_sd.program.constraints import UnsatisfiableConstraintError
+
+
+@dataclass
+class DraftBlock:
+    """K drafted tokens per particle and the distributions they were drawn from.
+
+    Attributes:
+        tokens: [N, K] int64.
+        logq: [N, K, V] float32 log q~ at each drafted position: the draft at temperature T_d,
+            masked by the constraints and renormalised (q itself when unconstrained).
+        masks: [N, K, V] bool constraint masks at each position, or None when unconstrained.
+        dead: [N, K] bool, live positions whose mask allowed no token, or None.
+    """
+
+    tokens: torch.Tensor
+    logq: torch.Tensor
+    masks: torch.Tensor | None = None
+    dead: torch.Tensor | None = None
 
 
 def draft_block(
-    rows: Sequences, unseen: torch.Tensor, draft_len: int, temperature: float, generator: torch.Generator
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Draw K tokens per row from the draft.
+    rows: Sequences,
+    unseen: torch.Tensor,
+    draft_len: int,
+    temperature: float,
+    generator: torch.Generator,
+    mask_at: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = None,
+) -> DraftBlock:
+    """Draw K tokens per row from the (masked) draft.
 
     Args:
         rows: the draft's sequences (N rows).
         unseen: [N, U] int64 tokens of the prefix the draft has not read yet (U >= 1).
         draft_len: K.
         temperature: T_d.
+        mask_at: maps the tokens drafted so far, [N, j] int64, to the constraint mask before
+            position j + 1 ([N, V] bool) and its dead rows ([N] bool); None when unconstrained.
 
     Returns:
-        drafted: [N, K] int64 tokens; logq: [N, K, V] float32 log q at each drafted position, the
-        exact distributions the tokens were drawn from. The draft has then read everything but
-        drafted[:, -1].
+        The block; the draft has then read everything but its last token.
     """
-    drafted, logq = [], []
+    drafted, logq, masks, dead = [], [], [], []
     feed = unseen
     for _ in range(draft_len):
         # [N, V]: next-token distribution after the last fed token
         logq_next = tempered_logprobs(rows.extend(feed)[:, -1], temperature)
+        if mask_at is not None:
+            # [N, j]: the tokens drafted so far
+            so_far = torch.stack(drafted, 1) if drafted else unseen.new_empty(unseen.shape[0], 0)
+            mask, dead_rows = mask_at(so_far)
+            logq_next = masked_logprobs(logq_next, mask)
+            masks.append(mask)
+            dead.append(dead_rows)
         token = sample_tokens(logq_next, generator)
         drafted.append(token)
         logq.append(logq_next)
         feed = token[:, None]
-    return torch.stack(drafted, 1), torch.stack(logq, 1)
+    if mask_at is None:
+        return DraftBlock(torch.stack(drafted, 1), torch.stack(logq, 1))
+    return DraftBlock(torch.stack(drafted, 1), torch.stack(logq, 1), torch.stack(masks, 1), torch.stack(dead, 1))
+
+
+def block_masks(masker, prefixes: list[list[int]], live: torch.Tensor, eos: int):
+    """The `mask_at` of one cycle: masks after each particle's prefix plus the block so far.
+
+    Args:
+        masker: a `Masker`.
+        prefixes: N lists of generated tokens before the cycle.
+        live: [N] bool, particles that are unfinished and have nonzero weight.
+
+    Returns:
+        mask_at(drafted [N, j] int64) -> (mask [N, V] bool, dead [N] bool); rows with an EOS
+        among the drafted tokens are no longer live.
+    """
+
+    def mask_at(drafted: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        rows = [prefix + block for prefix, block in zip(prefixes, drafted.tolist())]
+        return masker(rows, live & ~(drafted == eos).any(1))
+
+    return mask_at
 
 
 def block_mask(block: torch.Tensor, finished: torch.Tensor, eos: int, budget: int) -> torch.Tensor:
@@ -80,28 +136,53 @@ def trim_at_eos(ids: list[int], eos: int) -> list[int]:
     return ids[: ids.index(eos) + 1] if eos in ids else ids
 
 
+def first_token_mask(masker, n: int) -> torch.Tensor | None:
+    """[V] bool mask of the first generated token, or None when unconstrained.
+
+    Raises:
+        UnsatisfiableConstraintError: if the constraints allow no first token (not even EOS).
+    """
+    if masker is None:
+        return None
+    mask, dead = masker([[]], torch.ones(1, dtype=torch.bool))
+    if bool(dead[0]):
+        raise UnsatisfiableConstraintError("the constraints admit no string: no first token satisfies them")
+    return mask[0]
+
+
 def run_smc(plan, prompt: list[int], generator: torch.Generator, on_cycle=None) -> Result:
     """Run an importance-verified StepPlan (SMC-SD; K = 0 is SMC with the target as proposal).
 
+    With constraints the draft and the bonus token are masked (module docstring of
+    `smc_sd.compiler.masks`): a drafted column adds alpha log p_T(x_k) - log q~(x_k) and the bonus
+    adds log sum_v p_T(v)^alpha m(v); a particle whose mask allows no token gets weight zero.
+    With a twist, log w += log psi(first token) at the first token and log psi(new prefix) -
+    log psi(old prefix) at every block end; the last twist is removed from the final weights.
+
     Returns:
         The Result; raises AllParticlesDiedError (carrying the partial Result) if every weight
-        reaches zero.
+        reaches zero, and UnsatisfiableConstraintError if the constraints admit no string.
     """
     start = time.perf_counter()
     n, k, eos = plan.particles, plan.draft_len, plan.target.vocabulary.eos_token_id
+    first_mask = first_token_mask(plan.masker, n)
     target_rows, first_logits = plan.target.open(prompt, n)
     draft_rows = plan.draft.open(prompt, n)[0] if plan.draft is not None else None
     try:
-        # [V]: alpha log p_T of the first token
-        first_scores = plan.alpha * tempered_logprobs(first_logits, plan.target_temperature)
+        # [V]: alpha log p_T of the first token, masked by the constraints
+        first_scores = apply_mask(plan.alpha * tempered_logprobs(first_logits, plan.target_temperature), first_mask)
         first = sample_tokens(first_scores.expand(n, -1), generator)
-        # [N] float64, relative to the last resampling
+        # [N] float64, relative to the last resampling (twist included)
         logw = torch.full((n,), float(torch.logsumexp(first_scores, 0)), dtype=torch.float64)
+        # [N] float64 log psi of each particle's prefix, already inside logw
+        log_twist = torch.zeros(n, dtype=torch.float64)
         log_z = 0.0
         # [N, S] generated tokens; [N, 1] / [N, U] tokens the target / draft have not read
         tokens = first[:, None]
         target_unseen, draft_unseen = first[:, None], first[:, None]
         finished = first == eos
+        if plan.twist is not None:
+            logw, log_twist = retwist(plan.twist, tokens, finished, logw, log_twist)
         cycles: list[CycleStats] = []
         draft_passes = 0
 
@@ -119,31 +200,45 @@ def run_smc(plan, prompt: list[int], generator: torch.Generator, on_cycle=None) 
                 draft_passes=draft_passes,
                 seconds=time.perf_counter() - start,
                 decode=plan.target.decode,
+                mask_seconds=plan.masker.seconds if plan.masker is not None else 0.0,
             )
 
         while tokens.shape[1] < plan.max_tokens and not bool(finished.all()):
             budget = plan.max_tokens - tokens.shape[1]
+            mask_at = None
+            if plan.masker is not None:
+                mask_at = block_masks(plan.masker, tokens.tolist(), ~finished & torch.isfinite(logw), eos)
             if k > 0:
-                drafted, logq = draft_block(draft_rows, draft_unseen, k, plan.draft_temperature, generator)
+                draft = draft_block(draft_rows, draft_unseen, k, plan.draft_temperature, generator, mask_at)
                 draft_passes += k
             else:
-                drafted, logq = torch.empty(n, 0, dtype=torch.long), torch.empty(n, 0, first_logits.numel())
+                draft = DraftBlock(torch.empty(n, 0, dtype=torch.long), torch.empty(n, 0, first_logits.numel()))
+            drafted = draft.tokens
             # [N, K + 1, V]: alpha log p_T after the unseen token and after each drafted token
             scores = plan.alpha * tempered_logprobs(
                 target_rows.extend(torch.cat([target_unseen, drafted], 1)), plan.target_temperature
             )
-            bonus = sample_tokens(scores[:, k], generator)
+            # [N, V]: the bonus token's scores, masked; dead rows draw unmasked, at weight zero
+            bonus_scores = scores[:, k]
+            if mask_at is not None:
+                bonus_mask, bonus_dead = mask_at(drafted)
+                bonus_scores = apply_mask(bonus_scores, bonus_mask)
+            bonus = sample_tokens(torch.where(bonus_scores.isfinite().any(-1, keepdim=True), bonus_scores, scores[:, k]), generator)
             block = torch.cat([drafted, bonus[:, None]], 1)
             # [N, K + 1] log-weight increments: drafted columns, then the bonus normaliser
             increments = torch.cat(
-                [gather_last(scores[:, :k], drafted) - gather_last(logq, drafted), torch.logsumexp(scores[:, k], -1, keepdim=True)], 1
+                [gather_last(scores[:, :k], drafted) - gather_last(draft.logq, drafted), torch.logsumexp(bonus_scores, -1, keepdim=True)], 1
             ).double()
+            if draft.dead is not None:
+                increments[:, :k] = increments[:, :k].masked_fill(draft.dead, -math.inf)
             keep = block_mask(block, finished, eos, budget)
             logw = logw + torch.where(keep, increments, torch.zeros_like(increments)).sum(1)
             finished = finished | ((block == eos) & keep).any(1)
             tokens = torch.cat([tokens, block[:, : min(k + 1, budget)]], 1)
             target_unseen = bonus[:, None]
             draft_unseen = block[:, -2:] if k > 0 else None
+            if plan.twist is not None:
+                logw, log_twist = retwist(plan.twist, tokens, finished, logw, log_twist)
 
             ess = effective_sample_size(logw)
             if ess == 0.0:
@@ -156,6 +251,7 @@ def run_smc(plan, prompt: list[int], generator: torch.Generator, on_cycle=None) 
                 log_z += log_mean_weight(logw)
                 ancestors = resample(logw, generator, plan.resampling)
                 tokens, finished = tokens[ancestors], finished[ancestors]
+                log_twist = log_twist[ancestors]
                 target_unseen = target_unseen[ancestors]
                 target_rows.select(ancestors)
                 if draft_rows is not None:
@@ -166,6 +262,8 @@ def run_smc(plan, prompt: list[int], generator: torch.Generator, on_cycle=None) 
             if on_cycle is not None:
                 on_cycle(cycles[-1], tokens.tolist())
 
+        # the last twist comes off: the final weights target pi itself
+        logw = logw - log_twist
         if not torch.isfinite(logw).any():
             raise AllParticlesDiedError("every particle reached weight zero", result(logw, -math.inf, 0))
         chosen = int(torch.multinomial(normalised_weights(logw), 1, generator=generator))
@@ -174,3 +272,32 @@ def run_smc(plan, prompt: list[int], generator: torch.Generator, on_cycle=None) 
         target_rows.close()
         if draft_rows is not None:
             draft_rows.close()
+
+
+def retwist(
+    twist, tokens: torch.Tensor, finished: torch.Tensor, logw: torch.Tensor, log_twist: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Swap each particle's old twist for the twist of its new prefix.
+
+    log w += log psi(new prefix) - log psi(old prefix) for particles with nonzero weight;
+    finished particles get psi = 1 (their twist is removed), dead ones keep log w = -inf.
+
+    Args:
+        twist: log psi of a batch of prefixes.
+        tokens: [N, S] int64 generated tokens.
+        finished: [N] bool.
+        logw: [N] float64 log weights including log_twist.
+        log_twist: [N] float64 the twist inside logw.
+
+    Returns:
+        (logw, log_twist) updated.
+    """
+    alive = torch.isfinite(logw)
+    scored = alive & ~finished
+    new_twist = torch.zeros_like(log_twist)
+    if bool(scored.any()):
+        rows = scored.nonzero().flatten()
+        new_twist[rows] = torch.as_tensor(twist(tokens[rows].tolist()), dtype=torch.float64)
+    logw = torch.where(alive, logw + new_twist - log_twist, logw)
+    # a particle the twist kills carries no twist (keeps -inf - 0 from turning into NaN)
+    return logw, torch.where(torch.isfinite(logw), new_twist, torch.zeros_like(new_twist))

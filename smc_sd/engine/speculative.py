@@ -5,6 +5,11 @@ token x_k is accepted with probability min(1, p(x_k) / q(x_k)); at the first rej
 emits a token from norm(max(0, p - q)) and stops; if all K are accepted it emits a bonus token from
 p. The emitted sequence is distributed exactly as p_T. Rejected tokens are rolled back from both
 caches with `truncate`.
+
+With constraints (mask-at-verify, what serving engines do): q and p are both masked and
+renormalised at every position, q~ = q m / Z_q and p~ = p m / Z_p, and the rule runs on (p~, q~).
+The output is then distributed as the locally projected prod_t p~(x_t | x_<t), not as the
+conditional p_T(x | x satisfies the constraints).
 """
 
 from __future__ import annotations
@@ -13,9 +18,10 @@ import time
 
 import torch
 
-from smc_sd.engine.result import CycleStats, Result
+from smc_sd.compiler.masks import apply_mask, masked_logprobs
+from smc_sd.engine.result import AllParticlesDiedError, CycleStats, Result
 from smc_sd.engine.sampling import gather_last, sample_tokens, tempered_logprobs
-from smc_sd.engine.smc import draft_block, trim_at_eos
+from smc_sd.engine.smc import block_masks, draft_block, first_token_mask, trim_at_eos
 
 
 def accept_or_resample(
@@ -48,23 +54,50 @@ def run_speculative(plan, prompt: list[int], generator: torch.Generator, on_cycl
     """Run an accept/reject StepPlan: one sequence, K drafted tokens per cycle."""
     start = time.perf_counter()
     k, eos = plan.draft_len, plan.target.vocabulary.eos_token_id
+    first_mask = first_token_mask(plan.masker, 1)
     target_rows, first_logits = plan.target.open(prompt, 1)
     draft_rows = plan.draft.open(prompt, 1)[0]
     try:
-        first = sample_tokens(tempered_logprobs(first_logits, plan.target_temperature)[None], generator)
+        first_logp = tempered_logprobs(first_logits, plan.target_temperature)[None]
+        first = sample_tokens(apply_mask(first_logp, None if first_mask is None else first_mask[None]), generator)
         tokens = [int(first)]
         # tokens of the prefix the draft has not read yet
         draft_unseen = [tokens[0]]
         cycles: list[CycleStats] = []
+
+        def result() -> Result:
+            return Result(
+                method=plan.name,
+                prompt=prompt,
+                particles=[tokens],
+                finished=[tokens[-1] == eos],
+                log_weights=torch.zeros(1, dtype=torch.float64),
+                log_ml=0.0,
+                chosen=0,
+                cycles=cycles,
+                target_passes=len(cycles),
+                draft_passes=k * len(cycles),
+                seconds=time.perf_counter() - start,
+                decode=plan.target.decode,
+                mask_seconds=plan.masker.seconds if plan.masker is not None else 0.0,
+            )
+
         while len(tokens) < plan.max_tokens and tokens[-1] != eos:
             draft_length_before = draft_rows.length
             target_length_before = target_rows.length
-            drafted, logq = draft_block(draft_rows, torch.tensor([draft_unseen]), k, plan.draft_temperature, generator)
-            drafted, logq = drafted[0], logq[0]
+            mask_at = None if plan.masker is None else block_masks(plan.masker, [tokens], torch.ones(1, dtype=torch.bool), eos)
+            draft = draft_block(draft_rows, torch.tensor([draft_unseen]), k, plan.draft_temperature, generator, mask_at)
+            drafted, logq = draft.tokens[0], draft.logq[0]
             # [K + 1, V]: log p_T after the last emitted token and after each drafted token
             logp = tempered_logprobs(
                 target_rows.extend(torch.tensor([[tokens[-1]] + drafted.tolist()]))[0], plan.target_temperature
             )
+            if mask_at is not None:
+                bonus_mask, bonus_dead = mask_at(draft.tokens)
+                if bool(draft.dead.any() or bonus_dead.any()):
+                    raise AllParticlesDiedError("the constraints left the sequence no valid token", result())
+                # [K + 1, V]: p~ = p m / Z_p at every position
+                logp = masked_logprobs(logp, torch.cat([draft.masks[0], bonus_mask], 0))
             accepted, emitted = accept_or_resample(drafted, logq, logp, generator)
             # the target keeps the last emitted token and the accepted drafts
             target_rows.truncate(target_length_before + 1 + accepted)
@@ -78,20 +111,7 @@ def run_speculative(plan, prompt: list[int], generator: torch.Generator, on_cycl
             cycles.append(CycleStats(1.0, False, 0.0, len(new), 1, accepted=accepted))
             if on_cycle is not None:
                 on_cycle(cycles[-1], [tokens])
-        return Result(
-            method=plan.name,
-            prompt=prompt,
-            particles=[tokens],
-            finished=[tokens[-1] == eos],
-            log_weights=torch.zeros(1, dtype=torch.float64),
-            log_ml=0.0,
-            chosen=0,
-            cycles=cycles,
-            target_passes=len(cycles),
-            draft_passes=k * len(cycles),
-            seconds=time.perf_counter() - start,
-            decode=plan.target.decode,
-        )
+        return result()
     finally:
         target_rows.close()
         draft_rows.close()

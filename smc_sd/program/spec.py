@@ -5,23 +5,30 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Literal
 
+import torch
+
 from smc_sd.backends.base import LanguageModel
 from smc_sd.engine.result import CycleStats, Result
 
 
 @dataclass(frozen=True)
 class Target:
-    """The distribution to sample: pi(x) ∝ p_T(x)^alpha.
+    """The distribution to sample: pi(x) ∝ p_T(x)^alpha · prod_c phi_c(x).
 
     Attributes:
         lm: the target language model.
         temperature: T > 0; p_T = softmax(logits / T).
         alpha: power > 0 (1 = plain sampling at temperature T).
+        constraints: boolean potentials phi_c in {0, 1}: `TokenConstraint`s, or genlm-control
+            `Potential`s (BoolFSA, BoolCFG, JsonSchema, user subclasses) over bytes or over the
+            LM's tokens, coerced to the LM's tokens by the compiler. They mask the draft and the
+            bonus token; their masked normalisers enter the weights.
     """
 
     lm: LanguageModel
     temperature: float = 1.0
     alpha: float = 1.0
+    constraints: tuple = ()
 
 
 @dataclass(frozen=True)
@@ -58,6 +65,9 @@ class Schedule:
 
 Verification = Literal["importance", "accept-reject"]
 
+#: log psi of a batch of generated prefixes: list of B token-id lists -> [B] float tensor
+Twist = Callable[[list[list[int]]], torch.Tensor]
+
 
 @dataclass(frozen=True)
 class Program:
@@ -69,13 +79,21 @@ class Program:
         proposal: the draft, or None to propose one token per cycle from the target (K = 0).
         verification: "importance" weights every particle by target / proposal and resamples
             (SMC-SD); "accept-reject" is exact speculative decoding (one particle, min(1, p/q)
-            acceptance, residual resampling), whose output distribution is p_T exactly.
+            acceptance, residual resampling), whose output distribution is p_T exactly; with
+            constraints both p and q are masked and renormalised per token (mask-at-verify), so
+            it samples the locally projected distribution, not the conditional.
+        twist: an optional critic log psi on generated prefixes, called with a batch of
+            unfinished prefixes (lists of token ids) and returning [B] float log psi. It is
+            added to the weights at every block end and removed at the next block end and at
+            the end (log w += log psi(new prefix) - log psi(old prefix)); finished particles
+            carry no twist. It changes when SMC resamples, not what it targets.
     """
 
     name: str
     target: Target
     proposal: Proposal | None = None
     verification: Verification = "importance"
+    twist: Twist | None = None
 
     def run(
         self,

@@ -1,0 +1,87 @@
+"""Batched next-token masks of a program's constraints, and the masked distributions built on them.
+
+The compiler turns every boolean constraint into one `Masker`. Per cycle the engine asks it for
+K + 1 masks, each for all N particles in one call: one before each drafted token and one before
+the bonus token. The draft samples from, and the weights use, the same masked rows:
+
+    q~(v) = q(v) · m(v) / Z_q,          Z_q = sum_v q(v) m(v)
+    bonus ∝ p_T(v)^alpha · m(v),        log Z_bonus = log sum_v p_T(v)^alpha m(v)
+
+A live particle whose mask is all zero is dead (no continuation satisfies the constraints): it
+gets weight zero. Particles that are not live (finished, already dead, past an EOS in the block)
+get an all-one mask so the batch keeps its static shape; their columns never count.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from smc_sd.program.constraints import TokenConstraint
+
+
+class Masker:
+    """The conjunction of a program's constraints, for a batch of particles.
+
+    Args:
+        constraints: the boolean constraints (at least one).
+        vocab_size: V.
+    """
+
+    def __init__(self, constraints: tuple[TokenConstraint, ...], vocab_size: int):
+        self.constraints, self.vocab_size = constraints, vocab_size
+        self.calls = 0
+        self.seconds = 0.0
+
+    def __call__(self, prefixes: list[list[int]], live: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Masks of the live rows.
+
+        Args:
+            prefixes: N lists of generated token ids.
+            live: [N] bool, rows whose mask matters.
+
+        Returns:
+            mask: [N, V] bool (all True on rows that are not live); dead: [N] bool, live rows
+            that no token may extend.
+        """
+        started = time.perf_counter()
+        n = len(prefixes)
+        mask = torch.ones(n, self.vocab_size, dtype=torch.bool)
+        rows = live.nonzero().flatten().tolist()
+        if rows:
+            live_prefixes = [prefixes[i] for i in rows]
+            for constraint in self.constraints:
+                mask[rows] &= constraint.mask(live_prefixes)
+        dead = live & ~mask.any(1)
+        self.calls += 1
+        self.seconds += time.perf_counter() - started
+        return mask, dead
+
+
+def apply_mask(scores: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """scores + log m: -inf where the mask is zero (unchanged when mask is None).
+
+    Args:
+        scores: [..., V] float log-weights.
+        mask: [..., V] bool or None.
+    """
+    if mask is None:
+        return scores
+    return scores.masked_fill(~mask, float("-inf"))
+
+
+def masked_logprobs(logprobs: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """log q~ = log q + log m - log Z_q, row by row.
+
+    Rows whose mask is all zero (dead rows) are returned unmasked so that a token can still be
+    drawn to keep shapes static; the caller gives such rows weight zero.
+
+    Args:
+        logprobs: [N, V] float32 log q.
+        mask: [N, V] bool or None.
+    """
+    if mask is None:
+        return logprobs
+    usable = mask.any(-1, keepdim=True)
+    return torch.where(usable, torch.log_softmax(apply_mask(logprobs, mask), -1), logprobs)

@@ -1,0 +1,121 @@
+"""The default draft: a small Llama distilled from SmolLM2-135M-Instruct, shipped with the package.
+
+The draft reads the target's (frozen) token embedding, runs a few decoder layers of the target's
+width (576) and scores a restricted output vocabulary S, |S| = V_S << V: the LM head over all
+V = 49152 tokens would cost more than the draft's layers. Only the layers, the final norm, the head
+[V_S, 576] and the ids of S are stored (`smollm2_draft/model.safetensors`, fp16); the embedding is
+read from the target's weights at load time, so nothing is downloaded.
+
+The draft's distribution over the full vocabulary is
+
+    q(v) = softmax(z)_v for v in S,  q(v) = 0 for v not in S,
+
+where z [V_S] are the head's logits. `RestrictedVocabLM` returns [B, L, V] logits equal to z on S
+and `MASKED_LOGIT` elsewhere. MASKED_LOGIT is finite (backends return finite logits) and so far
+below any real logit (|z| < 100) that exp underflows to exactly 0 in float32 at any draft
+temperature T_d <= 10: the q used in weights and acceptance tests is exactly the distribution the
+draft samples from, with q = 0 outside S. (At a higher T_d tokens outside S get a tiny positive q;
+the sampler still uses that same q, so the maths stays exact.)
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+from smc_sd.backends.hf import HFLanguageModel
+
+MASKED_LOGIT = -1e4
+DRAFT_DIR = pathlib.Path(__file__).parent / "smollm2_draft"
+WEIGHTS = "model.safetensors"
+EMBEDDING = "model.embed_tokens.weight"
+
+
+class RestrictedVocabLM(HFLanguageModel):
+    """An `HFLanguageModel` whose head scores only the token ids `vocab_ids`.
+
+    Args:
+        model: a LlamaForCausalLM whose `lm_head` maps to V_S = len(vocab_ids) outputs and whose
+            `config.vocab_size` is the full V (its input embedding has V rows).
+        tokenizer: the target's tokenizer.
+        vocab_ids: [V_S] int64, distinct token ids, the support S of q.
+        options: passed to `HFLanguageModel` (`kv_cache`, `block_size`).
+    """
+
+    def __init__(self, model, tokenizer, vocab_ids: torch.Tensor, **options):
+        super().__init__(model, tokenizer, **options)
+        self.vocab_ids = vocab_ids.to(device=model.device, dtype=torch.long)
+
+    def _forward(self, tokens, start, cache, last_only=False):
+        """The base forward's [B, L, V_S] logits scattered into [B, L, V], MASKED_LOGIT off S."""
+        # [B, L, V_S]
+        compact = super()._forward(tokens, start, cache, last_only)
+        full = compact.new_full((*compact.shape[:2], self.vocabulary.size), MASKED_LOGIT)
+        full[..., self.vocab_ids] = compact
+        return full
+
+
+def build_student(target_config: LlamaConfig, layers: int, vocab_ids: torch.Tensor) -> LlamaForCausalLM:
+    """A Llama with the target's width, `layers` decoder layers and a head over vocab_ids.
+
+    The input embedding has the target's V rows (to be filled with the target's embedding); the
+    head is an untied Linear(576 -> V_S).
+    """
+    config = LlamaConfig(**{**target_config.to_dict(), "num_hidden_layers": layers, "tie_word_embeddings": False})
+    config.draft_vocab_size = len(vocab_ids)
+    model = LlamaForCausalLM(config)
+    model.lm_head = torch.nn.Linear(config.hidden_size, len(vocab_ids), bias=False)
+    return model
+
+
+def save_draft(model: LlamaForCausalLM, vocab_ids: torch.Tensor, out_dir: pathlib.Path) -> None:
+    """Write config.json and model.safetensors (fp16 layers, norm, head; int64 vocab ids)."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tensors = {
+        name: value.detach().to(torch.float16).contiguous()
+        for name, value in model.state_dict().items()
+        if name != EMBEDDING
+    }
+    tensors["vocab_ids"] = vocab_ids.to(torch.int64).contiguous()
+    save_file(tensors, str(out_dir / WEIGHTS))
+    (out_dir / WEIGHTS).chmod(0o644)
+    (out_dir / "config.json").write_text(json.dumps(model.config.to_dict(), indent=1, sort_keys=True))
+
+
+def load_draft(
+    target_dir: pathlib.Path,
+    draft_dir: pathlib.Path = DRAFT_DIR,
+    device: str | torch.device = "cpu",
+    **options,
+) -> RestrictedVocabLM:
+    """The shipped draft in float32, with the embedding and tokenizer of the target in target_dir.
+
+    `options` go to `RestrictedVocabLM` (`kv_cache`, `block_size`).
+
+    Raises:
+        FileNotFoundError: if either directory lacks its weights.
+    """
+    draft_dir, target_dir = pathlib.Path(draft_dir), pathlib.Path(target_dir)
+    config = LlamaConfig.from_dict(json.loads((draft_dir / "config.json").read_text()))
+    state = load_file(str(draft_dir / WEIGHTS))
+    vocab_ids = state.pop("vocab_ids")
+    with safe_open(str(target_dir / WEIGHTS), framework="pt") as weights:
+        state[EMBEDDING] = weights.get_tensor(EMBEDDING)
+    with torch.device("meta"):
+        model = build_student(config, config.num_hidden_layers, vocab_ids)
+    model.load_state_dict({k: v.to(torch.float32) for k, v in state.items()}, strict=True, assign=True)
+    # the rotary tables are buffers computed at construction, not stored weights
+    model.model.rotary_emb = type(model.model.rotary_emb)(config=config)
+    tokenizer = AutoTokenizer.from_pretrained(target_dir, local_files_only=True)
+    return RestrictedVocabLM(model.to(device), tokenizer, vocab_ids, **options)
+
+
+def is_draft_dir(path) -> bool:
+    """Whether `path` holds a draft saved by `save_draft` (rather than a full transformers model)."""
+    config = pathlib.Path(path) / "config.json"
+    return config.is_file() and "draft_vocab_size" in json.loads(config.read_text())

@@ -1,0 +1,71 @@
+"""Boolean constraints on generated token sequences, seen as next-token masks.
+
+A constraint is a potential phi(x) in {0, 1} on completions with a prefix test. The engine only
+ever asks one question of it, for a batch of generated prefixes x_<t (prompt excluded):
+
+    mask[b, v] = 1  iff  x_<t + v can still be completed in the language   (v != EOS)
+    mask[b, EOS] = 1  iff  x_<t itself is a complete string of the language.
+
+With an exact prefix test the product of the masks along a sequence is phi of the sequence (for
+a sequence cut by the token budget: 1 iff it is still a viable prefix), so masking both the draft
+and the bonus token and adding the masked normalisers to the weights targets
+p_T(x)^alpha · phi(x) exactly. A prefix whose mask is all zero is a dead end.
+"""
+
+from __future__ import annotations
+
+import abc
+from typing import Callable
+
+import torch
+
+
+class UnsatisfiableConstraintError(ValueError):
+    """The constraints admit no string at all (the mask of the empty prefix is all zero)."""
+
+
+class TokenConstraint(abc.ABC):
+    """A 0/1 potential on token sequences, queried as next-token masks."""
+
+    @abc.abstractmethod
+    def mask(self, prefixes: list[list[int]]) -> torch.Tensor:
+        """Next-token masks of a batch of generated prefixes.
+
+        Args:
+            prefixes: B lists of generated token ids (no EOS inside).
+
+        Returns:
+            [B, V] bool; see the module docstring.
+        """
+
+
+class PredicateConstraint(TokenConstraint):
+    """A constraint given by two predicates on token tuples (for toy vocabularies).
+
+    Args:
+        viable: viable(x) is True iff some completion of the prefix x lies in the language.
+        complete: complete(x) is True iff x itself lies in the language.
+        vocab_size: V; eos: the EOS id, never passed inside x.
+
+    Rows are memoised per prefix, so the predicates must be pure.
+    """
+
+    def __init__(
+        self,
+        viable: Callable[[tuple[int, ...]], bool],
+        complete: Callable[[tuple[int, ...]], bool],
+        vocab_size: int,
+        eos: int,
+    ):
+        self.viable, self.complete, self.vocab_size, self.eos = viable, complete, vocab_size, eos
+
+        self._rows: dict[tuple[int, ...], list[bool]] = {}
+
+    def _row(self, x: tuple[int, ...]) -> list[bool]:
+        if x not in self._rows:
+            self._rows[x] = [self.complete(x) if v == self.eos else self.viable(x + (v,)) for v in range(self.vocab_size)]
+        return self._rows[x]
+
+    def mask(self, prefixes: list[list[int]]) -> torch.Tensor:
+        # [B, V] bool
+        return torch.tensor([self._row(tuple(prefix)) for prefix in prefixes], dtype=torch.bool)
