@@ -36,13 +36,19 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--target", default=None, help="local transformers model directory (default: SmolLM2-135M-Instruct)")
     g.add_argument("--draft", default=None, help="local model directory sharing the target's tokenizer, or a distilled draft saved by smc_sd.models.distill")
     g.add_argument("--device", default="cpu", help="cpu or cuda")
+    g.add_argument("--backend", choices=["hf", "vllm"], default="hf", help="transformers (hf) or a vLLM engine per model")
+    g.add_argument("--tensor-parallel-size", type=int, default=1, help="vllm: GPUs each model is split over")
+    g.add_argument("--gpu-memory-utilization", type=float, default=0.9, help="vllm: fraction of GPU memory per engine")
+    g.add_argument("--dtype", default="float32", help="vllm: weights dtype (float32, bfloat16, float16, auto)")
     g.add_argument("--raw", action="store_true", help="use the prompt as is, without the chat template")
     g.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     return parser
 
 
 def load_models(args):
-    """The target and (for methods that draft) the draft, as HFLanguageModels."""
+    """The target and (for methods that draft) the draft, as HFLanguageModels (or vLLM engines)."""
+    if args.backend == "vllm":
+        return load_vllm_models(args)
     from smc_sd.backends.hf import HFLanguageModel
     from smc_sd.models.draft import is_draft_dir, load_draft
     from smc_sd.models.smollm2 import default_model_dir
@@ -60,6 +66,31 @@ def load_models(args):
         return target, HFLanguageModel.from_pretrained(args.draft, device=args.device)
     if args.target is None:
         return target, HFLanguageModel.default_draft(args.device)
+    raise SystemExit(f"smc-sd: --method {args.method} with --target needs a --draft model directory")
+
+
+def load_vllm_models(args):
+    """The target and draft as VLLMLanguageModels, one engine each, with the CLI's engine options.
+
+    The default draft is the target without the layers `HFLanguageModel.default_draft` drops.
+    """
+    from smc_sd.backends.vllm import VLLMLanguageModel, VLLMOptions
+
+    options = VLLMOptions(
+        tensor_parallel_size=args.tensor_parallel_size,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        dtype=args.dtype,
+        # a GPU sizes its KV cache from the memory fraction; the CPU default keeps 1 GiB
+        kv_cache_bytes=None if args.device.startswith("cuda") else VLLMOptions.kv_cache_bytes,
+        block_size=None if args.device.startswith("cuda") else VLLMOptions.block_size,
+    )
+    target = VLLMLanguageModel(args.target, options) if args.target else VLLMLanguageModel.default(options)
+    if args.method == "ar":
+        return target, None
+    if args.draft is not None:
+        return target, VLLMLanguageModel(args.draft, options)
+    if args.target is None:
+        return target, VLLMLanguageModel.default_draft(options)
     raise SystemExit(f"smc-sd: --method {args.method} with --target needs a --draft model directory")
 
 
