@@ -118,11 +118,22 @@ def main(argv=None) -> dict:
     parser.add_argument("--draft", default=None, help="a local draft model directory (default: the default draft)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-write", action="store_true", help="print JSON only; write no files")
+    parser.add_argument("--json", dest="no_write", action="store_true", help="the same as --no-write")
+    parser.add_argument(
+        "--backend", choices=["hf", "vllm"], default="hf",
+        help="vllm: one vLLM engine per model (needs the vLLM environment; the draft is the target without layer 5)",
+    )
     args = parser.parse_args(argv)
 
     from smc_sd.backends.hf import chat_prompt
 
-    target, draft = load_default_models(args.draft)
+    if args.backend == "vllm":
+        from smc_sd.backends.vllm import VLLMLanguageModel
+
+        target = VLLMLanguageModel.default()
+        draft = VLLMLanguageModel(args.draft) if args.draft else VLLMLanguageModel.default_draft()
+    else:
+        target, draft = load_default_models(args.draft)
     prompts = [chat_prompt(target.tokenizer, p) for p in PROMPTS[: args.prompts]]
     # warm-up: the first forwards of a process are slower (allocations, kernel selection)
     build_program("ar", target, draft).run(prompts[0], __import__("smc_sd").Schedule(1, max_tokens=4))
@@ -134,6 +145,7 @@ def main(argv=None) -> dict:
         r["speedup_vs_ar"] = r["tokens_per_second"] / ar
     data = {
         "benchmark": "speed",
+        "backend": args.backend,
         "model": "SmolLM2-135M-Instruct (fp32, CPU)",
         "draft": args.draft or "default draft (target without decoder layer 5)",
         "prompts": len(prompts),
