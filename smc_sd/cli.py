@@ -11,6 +11,7 @@ import argparse
 import inspect
 import json
 import os
+import pathlib
 import sys
 import time
 
@@ -40,6 +41,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--tensor-parallel-size", type=int, default=1, help="vllm: GPUs each model is split over")
     g.add_argument("--gpu-memory-utilization", type=float, default=0.9, help="vllm: fraction of GPU memory per engine")
     g.add_argument("--dtype", default="float32", help="vllm: weights dtype (float32, bfloat16, float16, auto)")
+    g.add_argument("--regex", default=None, help="constrain the output to match this regular expression")
+    g.add_argument("--grammar", default=None, metavar="FILE.lark", help="constrain the output to this Lark grammar")
+    g.add_argument("--json-schema", default=None, metavar="FILE.json", help="constrain the output to JSON valid under this schema")
     g.add_argument("--raw", action="store_true", help="use the prompt as is, without the chat template")
     g.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     return parser
@@ -105,7 +109,23 @@ def program_options(module, args) -> dict:
     accepted = inspect.signature(module.program).parameters
     if args.alpha != 1.0 and "alpha" not in accepted:
         raise SystemExit(f"smc-sd: --method {args.method} samples p_T (alpha = 1); use --method smc-sd for --alpha")
+    constraints = constraint_potentials(args)
+    if constraints:
+        if "constraints" not in accepted:
+            raise SystemExit(f"smc-sd: --method {args.method} takes no constraints; use smc-sd or mask-at-verify")
+        options["constraints"] = constraints
     return {name: value for name, value in options.items() if name in accepted}
+
+
+def constraint_potentials(args) -> tuple:
+    """The genlm-control potentials of --regex, --grammar and --json-schema (empty without them)."""
+    if args.regex is None and args.grammar is None and args.json_schema is None:
+        return ()
+    from smc_sd.programs.constrained import potentials
+
+    grammar = pathlib.Path(args.grammar).read_text() if args.grammar else None
+    schema = json.loads(pathlib.Path(args.json_schema).read_text()) if args.json_schema else None
+    return potentials(regex=args.regex, grammar=grammar, json_schema=schema)
 
 
 class TextStream:

@@ -165,3 +165,25 @@ def test_unsatisfiable_constraint_is_reported():
     for program in (smc_speculative.program(target, draft, constraints=(nothing,)), mask_at_verify.program(target, draft, constraints=(nothing,))):
         with pytest.raises(UnsatisfiableConstraintError, match="admit no string"):
             program.run(PROMPT, Schedule(1, max_tokens=MAX_TOKENS))
+
+
+@pytest.mark.parametrize(
+    "schema,good,bad",
+    [
+        ({"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}}}, '{"name": "Bo", "age": 42}', '{"name": "Bo", "age": 4.5}'),
+        ({"enum": ["red", "green"]}, '"green"', '"blue"'),
+        ({"type": "array", "items": {"type": "number"}, "minItems": 1, "maxItems": 2}, "[1.5, -2e3]", "[1, 2, 3]"),
+        ({"type": "object", "properties": {"ok": {"type": "boolean"}, "x": {"type": "null"}}}, '{"ok":true,"x":null}', '{"ok":1,"x":null}'),
+    ],
+)
+def test_json_schema_regex_accepts_only_valid_documents(schema, good, bad):
+    import json
+    import re
+
+    import jsonschema
+
+    from smc_sd.program.json_regex import schema_regex
+
+    pattern = schema_regex(schema)
+    assert re.fullmatch(pattern, good) and re.fullmatch(pattern, bad) is None
+    jsonschema.validate(json.loads(good), schema)
