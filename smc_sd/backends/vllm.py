@@ -93,6 +93,8 @@ class VLLMLanguageModel(LanguageModel):
         # (no IPC per extend) with the V1 model runner, the one vllm_capture supports.
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
+        # vLLM logs to stdout by default, which would break `--json` output
+        os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
         vllm_capture.check_supported()
         from vllm import LLM, SamplingParams
 

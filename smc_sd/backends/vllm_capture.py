@@ -15,7 +15,10 @@ every tensor-parallel worker process, where `compute_logits` is a collective):
   logits after the token at every scheduled 0-based position p >= n - L;
 - `take(worker)` returns and clears {tuple(x_1..x_n): {p: logits [V] float32}}.
 Positions that vLLM served from its prefix cache are not scheduled and therefore not captured;
-the caller asks again for them with shorter requests (see `VLLMSequences.extend`).
+the caller asks again for them with shorter requests (see `VLLMLanguageModel.logits_after`).
+The wrapper also replaces the model's `compute_logits` by one that returns the rows it has just
+computed when vLLM asks for the same hidden states (each request's last token, to sample from),
+so the LM head runs once per position, not twice.
 
 Supported: vLLM 0.32.0 with the V1 model runner (`GPUModelRunner` and its `CPUModelRunner`
 subclass). `check_supported` names what changed when internals move; tests call it.
@@ -61,17 +64,27 @@ def install(worker) -> str:
             "(set VLLM_USE_V2_MODEL_RUNNER=0)"
         )
     if getattr(runner, _STATE, None) is None:
-        state = {"last": 0, "rows": {}}
+        state = {"last": 0, "rows": {}, "sample": None, "compute_logits": runner.model.compute_logits}
         setattr(runner, _STATE, state)
         forward = runner._model_forward
 
         def capturing_forward(*args, **kwargs):
             output = forward(*args, **kwargs)
+            state["sample"] = None
             if state["last"] > 0:
                 _capture(runner, kwargs.get("positions", args[1] if len(args) > 1 else None), output, state)
             return output
 
+        def reusing_compute_logits(hidden_states):
+            # vLLM next asks for the logits of each request's last scheduled token, which the
+            # capture has usually just computed: hand those back instead of a second LM-head pass
+            sample, state["sample"] = state["sample"], None
+            if sample is not None and sample[0].shape == hidden_states.shape and torch.equal(sample[0], hidden_states):
+                return sample[1]
+            return state["compute_logits"](hidden_states)
+
         runner._model_forward = capturing_forward
+        runner.model.compute_logits = reusing_compute_logits
     return type(runner).__name__
 
 
@@ -101,23 +114,30 @@ def _capture(runner, positions: torch.Tensor, hidden_states, state: dict) -> Non
     count = batch.num_reqs
     # [R + 1] offsets of each request's scheduled tokens in the flattened batch
     starts = runner.query_start_loc.cpu[: count + 1].tolist()
-    positions = positions.cpu()
+    positions = positions.cpu().tolist()
     picked, owners = [], []
     for i in range(count):
         length = int(batch.num_prompt_tokens[i])
         first_wanted = length - state["last"]
         for row in range(starts[i], starts[i + 1]):
-            position = int(positions[row])
+            position = positions[row]
             if first_wanted <= position < length:
                 picked.append(row)
                 owners.append((i, length, position))
     if not picked:
         return
+    rows = torch.tensor(picked, device=hidden_states.device)
     with torch.inference_mode():
-        # [P, V] raw logits (the LM head; tensor-parallel workers gather inside compute_logits)
-        logits = runner.model.compute_logits(hidden_states[torch.tensor(picked, device=hidden_states.device)])
+        # [P, V] raw logits (the LM head; tensor-parallel workers gather inside compute_logits,
+        # and ranks that do not receive the gathered logits get None)
+        logits = state["compute_logits"](hidden_states[rows])
+    # each request's last scheduled token: vLLM samples from its logits right after this forward
+    last_rows = [end - 1 for end in starts[1:]]
+    where = {row: index for index, row in enumerate(picked)}
+    if all(row in where for row in last_rows):
+        index = torch.tensor([where[row] for row in last_rows], device=hidden_states.device)
+        state["sample"] = (hidden_states[rows[index]], None if logits is None else logits[index])
     if logits is None:
-        # a tensor-parallel rank that does not hold the gathered logits
         return
     logits = logits.to(device="cpu", dtype=torch.float32)
     keys: dict[int, tuple] = {}
