@@ -89,6 +89,45 @@ class Sequences(abc.ABC):
     def close(self) -> None:
         """Release the cache. Safe to call twice."""
 
+    def memory(self) -> dict | None:
+        """KV-cache statistics in bytes (`live_bytes`, `peak_bytes`, `naive_peak_bytes`, ...),
+        or None for a backend that keeps no KV cache."""
+        return None
+
+
+def check_extend(tokens: torch.Tensor, batch_size: int, length: int, max_length: int) -> None:
+    """Refuse an `extend` argument that is not [B, L >= 1] integer ids fitting the context.
+
+    Raises:
+        ValueError: on a wrong shape or dtype.
+        ContextOverflowError: if a row would exceed `max_length` positions.
+    """
+    if tokens.ndim != 2 or tokens.shape[0] != batch_size or tokens.shape[1] < 1:
+        raise ValueError(f"tokens must have shape [{batch_size}, L] with L >= 1, got {tuple(tokens.shape)}")
+    if tokens.is_floating_point() or tokens.dtype == torch.bool:
+        raise ValueError(f"tokens must be integer ids, got {tokens.dtype}")
+    if length + tokens.shape[1] > max_length:
+        raise ContextOverflowError(
+            f"extending {length} positions by {tokens.shape[1]} exceeds the model's {max_length}"
+        )
+
+
+def check_rows(rows: torch.Tensor, batch_size: int) -> None:
+    """Refuse a `select` argument that is not a non-empty 1-D index into B rows.
+
+    The range check reads rows' min and max: one host sync when rows live on a GPU.
+    """
+    if rows.ndim != 1 or rows.numel() == 0:
+        raise ValueError(f"rows must be a non-empty 1-D index tensor, got {tuple(rows.shape)}")
+    if int(rows.min()) < 0 or int(rows.max()) >= batch_size:
+        raise ValueError(f"rows must index 0 .. {batch_size - 1}, got {rows.tolist()}")
+
+
+def check_truncate(length: int, current: int) -> None:
+    """Refuse a `truncate` length outside 1 .. current."""
+    if not 1 <= length <= current:
+        raise ValueError(f"truncate length must be in 1 .. {current}, got {length}")
+
 
 class LanguageModel(abc.ABC):
     """One model behind a tokenizer; the factory of `Sequences`."""

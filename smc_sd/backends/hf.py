@@ -1,9 +1,11 @@
-"""A transformers backend: one causal LM with a per-row KV cache, on CPU or CUDA.
+"""A transformers backend: one causal LM on CPU or CUDA, its rows' KV in a shared block pool.
 
-`HFSequences` holds B rows of equal length in one batched `DynamicCache` (keys and values
-[B, heads, length, head_dim] per layer). Rows never differ in length, so no padding and no
-attention mask are needed: every forward passes explicit positions length .. length+L-1 and the
-model's causal mask covers the rest.
+By default (`kv_cache="paged"`) rows are `PagedHFSequences` (`smc_sd.backends.paged_hf`): block
+tables over one pool per model, the prompt computed once, resampling copying block ids only.
+With `kv_cache="copy"` every row owns a full copy of its KV: `HFSequences` holds B rows of equal
+length in one batched `DynamicCache` (keys and values [B, heads, length, head_dim] per layer).
+Rows never differ in length, so no padding and no attention mask are needed: every forward passes
+explicit positions length .. length+L-1 and the model's causal mask covers the rest.
 
 Invariants of `HFSequences`:
 - every cache layer holds exactly `batch_size` rows and `length` positions;
@@ -25,7 +27,18 @@ from collections.abc import Mapping, Sequence
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
-from smc_sd.backends.base import ContextOverflowError, LanguageModel, Sequences, Vocabulary
+from smc_sd.backends.base import (
+    ContextOverflowError,
+    LanguageModel,
+    Sequences,
+    Vocabulary,
+    check_extend,
+    check_rows,
+    check_truncate,
+)
+from smc_sd.backends.paged_hf import DEFAULT_BLOCK_SIZE, PagedHFSequences, PagedKV
+
+KV_CACHES = ("paged", "copy")
 
 
 class HFLanguageModel(LanguageModel):
@@ -34,11 +47,20 @@ class HFLanguageModel(LanguageModel):
     Args:
         model: a transformers `*ForCausalLM`; put in eval mode here.
         tokenizer: its tokenizer; `eos_token_id` and `get_vocab()` are used.
+        kv_cache: "paged" (rows share KV blocks through a token trie) or "copy" (every row owns a
+            full copy of its KV; kept for comparison).
+        block_size: positions per KV block of the paged cache.
     """
 
-    def __init__(self, model, tokenizer):
+    def __init__(self, model, tokenizer, kv_cache: str = "paged", block_size: int = DEFAULT_BLOCK_SIZE):
+        if kv_cache not in KV_CACHES:
+            raise ValueError(f"kv_cache must be one of {', '.join(KV_CACHES)}, got {kv_cache!r}")
         self.model = model.eval()
         self.tokenizer = tokenizer
+        self.kv_cache = kv_cache
+        self.block_size = block_size
+        # the paged cache's pool and store, made at the first paged open
+        self._paged: PagedKV | None = None
         # transformers 5.24 calls the forward's KV-cache argument `cache` (`past_key_values` still
         # works there but warns); earlier releases take `past_key_values`.
         forward_params = inspect.signature(model.forward).parameters
@@ -57,6 +79,7 @@ class HFLanguageModel(LanguageModel):
         device: str | torch.device = "cpu",
         dtype: torch.dtype = torch.float32,
         drop_layers: Sequence[int] = (),
+        **options,
     ) -> HFLanguageModel:
         """Load a local model directory (nothing is downloaded).
 
@@ -65,28 +88,29 @@ class HFLanguageModel(LanguageModel):
             device: where the model runs.
             dtype: the weights' dtype; logits are returned in float32 regardless.
             drop_layers: decoder layer indices to remove, making a cheaper self-speculative draft.
+            options: `kv_cache` and `block_size`, passed to the constructor.
         """
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True)
         tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
         if drop_layers:
             drop_decoder_layers(model, drop_layers)
-        return cls(model.to(device), tokenizer)
+        return cls(model.to(device), tokenizer, **options)
 
     @classmethod
-    def default(cls, device: str | torch.device = "cpu") -> HFLanguageModel:
+    def default(cls, device: str | torch.device = "cpu", **options) -> HFLanguageModel:
         """The embedded default model, SmolLM2-135M-Instruct in fp32."""
         from smc_sd.models.smollm2 import default_model_dir
 
-        return cls.from_pretrained(default_model_dir(), device=device)
+        return cls.from_pretrained(default_model_dir(), device=device, **options)
 
     @classmethod
-    def default_draft(cls, device: str | torch.device = "cpu") -> HFLanguageModel:
+    def default_draft(cls, device: str | torch.device = "cpu", **options) -> HFLanguageModel:
         """The default model without its least useful decoder layer(s): a self-speculative draft."""
         from smc_sd.models.smollm2 import DRAFT_DROPPED_LAYERS, default_model_dir
 
         return cls.from_pretrained(
-            default_model_dir(), device=device, drop_layers=DRAFT_DROPPED_LAYERS
+            default_model_dir(), device=device, drop_layers=DRAFT_DROPPED_LAYERS, **options
         )
 
     @property
@@ -101,8 +125,8 @@ class HFLanguageModel(LanguageModel):
     def device(self) -> torch.device:
         return self.model.device
 
-    def open(self, prompt: list[int], batch_size: int) -> tuple[HFSequences, torch.Tensor]:
-        """Run the prompt once at batch 1, then copy its cache into `batch_size` rows.
+    def open(self, prompt: list[int], batch_size: int) -> tuple[Sequences, torch.Tensor]:
+        """Run the prompt once at batch 1, then share (paged) or copy its KV into `batch_size` rows.
 
         Args:
             prompt: the prompt token ids, at least one.
@@ -123,6 +147,10 @@ class HFLanguageModel(LanguageModel):
             raise ContextOverflowError(
                 f"the prompt has {len(prompt)} tokens; the model attends over {self.max_length}"
             )
+        if self.kv_cache == "paged":
+            if self._paged is None:
+                self._paged = PagedKV(self.model.config, self.model.dtype, self.device, self.block_size)
+            return PagedHFSequences.open(self, self._paged, prompt, batch_size)
         # Without a config every layer gets a plain DynamicLayer: it holds all positions, so `crop`
         # works at any length (a sliding-window layer cannot crop back past its window).
         cache = DynamicCache()
@@ -135,14 +163,14 @@ class HFLanguageModel(LanguageModel):
         return rows, logits[0, -1]
 
     def _forward(
-        self, tokens: torch.Tensor, start: int, cache: DynamicCache, last_only: bool = False
+        self, tokens: torch.Tensor, start: int, cache, last_only: bool = False
     ) -> torch.Tensor:
         """One cached forward: append `tokens` at positions start .. start+L-1 of every row.
 
         Args:
             tokens: [B, L] int64 on the model's device.
             start: the cache's current length.
-            cache: the rows' cache; grows by L positions.
+            cache: the rows' transformers Cache; grows by L positions.
             last_only: compute logits for the last position only.
 
         Returns:
@@ -162,13 +190,18 @@ class HFLanguageModel(LanguageModel):
 
 
 class HFSequences(Sequences):
-    """B equal-length rows in one batched transformers `DynamicCache`."""
+    """B equal-length rows in one batched transformers `DynamicCache`, each a full copy."""
 
     def __init__(self, lm: HFLanguageModel, cache: DynamicCache, length: int, batch_size: int):
         self._lm = lm
         self._cache = cache
         self._length = length
         self._batch_size = batch_size
+        # KV bytes of one position: keys and values of every layer, [B, H, S, D] each
+        keys = cache.layers[0].keys
+        self._bytes_per_position = 2 * len(cache.layers) * keys.shape[1] * keys.shape[3] * keys.element_size()
+        self._peak_bytes = 0
+        self._record_peak()
 
     @property
     def batch_size(self) -> int:
@@ -186,42 +219,26 @@ class HFSequences(Sequences):
             ContextOverflowError: if a row would exceed `max_length` positions.
         """
         cache = self._open_cache()
-        if tokens.ndim != 2 or tokens.shape[0] != self._batch_size or tokens.shape[1] < 1:
-            raise ValueError(
-                f"tokens must have shape [{self._batch_size}, L] with L >= 1, "
-                f"got {tuple(tokens.shape)}"
-            )
-        if tokens.is_floating_point() or tokens.dtype == torch.bool:
-            raise ValueError(f"tokens must be integer ids, got {tokens.dtype}")
-        if self._length + tokens.shape[1] > self._lm.max_length:
-            raise ContextOverflowError(
-                f"extending {self._length} positions by {tokens.shape[1]} exceeds the model's "
-                f"{self._lm.max_length}"
-            )
+        check_extend(tokens, self._batch_size, self._length, self._lm.max_length)
         tokens = tokens.to(device=self._lm.device, dtype=torch.long)
         logits = self._lm._forward(tokens, self._length, cache)
         self._length += tokens.shape[1]
+        self._record_peak()
         return logits
 
     def select(self, rows: torch.Tensor) -> None:
-        """Make row i a copy of old row rows[i]; rows is [B'] int64, B' >= 1.
-
-        The range check reads rows' min and max: one host sync when rows live on a GPU.
-        """
+        """Make row i a copy of old row rows[i]; rows is [B'] int64, B' >= 1 (KV bytes copied)."""
         cache = self._open_cache()
-        if rows.ndim != 1 or rows.numel() == 0:
-            raise ValueError(f"rows must be a non-empty 1-D index tensor, got {tuple(rows.shape)}")
-        if int(rows.min()) < 0 or int(rows.max()) >= self._batch_size:
-            raise ValueError(f"rows must index 0 .. {self._batch_size - 1}, got {rows.tolist()}")
+        check_rows(rows, self._batch_size)
         with torch.inference_mode():
             cache.batch_select_indices(rows.to(device=self._lm.device, dtype=torch.long))
         self._batch_size = rows.numel()
+        self._record_peak()
 
     def truncate(self, length: int) -> None:
         """Keep the first `length` positions of every row, 1 <= length <= self.length."""
         cache = self._open_cache()
-        if not 1 <= length <= self._length:
-            raise ValueError(f"truncate length must be in 1 .. {self._length}, got {length}")
+        check_truncate(length, self._length)
         with torch.inference_mode():
             # a negative argument is the number of positions to remove
             cache.crop(length - self._length)
@@ -229,6 +246,14 @@ class HFSequences(Sequences):
 
     def close(self) -> None:
         self._cache = None
+
+    def memory(self) -> dict:
+        """Bytes of the per-row copies: B · length positions, each holding every layer's KV."""
+        live = 0 if self._cache is None else self._batch_size * self._length * self._bytes_per_position
+        return {"live_bytes": live, "peak_bytes": self._peak_bytes, "naive_peak_bytes": self._peak_bytes}
+
+    def _record_peak(self) -> None:
+        self._peak_bytes = max(self._peak_bytes, self._batch_size * self._length * self._bytes_per_position)
 
     def _open_cache(self) -> DynamicCache:
         if self._cache is None:

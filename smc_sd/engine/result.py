@@ -60,6 +60,7 @@ class Result:
         draft_passes: draft forward calls.
         seconds: wall time of the run.
         decode: token ids to text.
+        kv: KV-cache bytes of target and draft together (`kv_memory`), or None without a KV cache.
         mask_seconds: wall time spent computing constraint masks (0 when unconstrained).
     """
 
@@ -75,6 +76,7 @@ class Result:
     draft_passes: int
     seconds: float
     decode: Callable[[list[int]], str] = field(repr=False, default=str)
+    kv: dict | None = None
     mask_seconds: float = 0.0
 
     @property
@@ -140,8 +142,30 @@ class Result:
             "ess": [c.ess for c in self.cycles],
             "log_z": self.log_ml,
             "finished": self.finished[self.chosen],
+            "kv_peak_bytes": None if self.kv is None else self.kv["peak_bytes"],
+            "kv_naive_bytes": None if self.kv is None else self.kv["naive_peak_bytes"],
             "mask_seconds": self.mask_seconds,
         }
+
+
+def kv_memory(*rows) -> dict | None:
+    """The KV-cache statistics of several models' rows (target, draft), summed field by field.
+
+    Each peak is the largest value one model's rows reached; their sum bounds the peak of both
+    together. `naive_peak_bytes` is what a cache giving every row a full copy would have needed.
+
+    Args:
+        rows: `Sequences` (or None, for an absent draft).
+
+    Returns:
+        {field: sum} over the rows' `memory()` dicts, or None when none reports one.
+    """
+    stats = [r.memory() for r in rows if r is not None]
+    stats = [s for s in stats if s is not None]
+    if not stats:
+        return None
+    fields = set.intersection(*(set(s) for s in stats)) - {"block_size"}
+    return {name: sum(s[name] for s in stats) for name in sorted(fields)}
 
 
 class AllParticlesDiedError(RuntimeError):

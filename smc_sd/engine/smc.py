@@ -27,7 +27,7 @@ import torch
 from smc_sd.backends.base import Sequences
 from smc_sd.compiler.masks import apply_mask, masked_logprobs
 from smc_sd.engine.resampling import effective_sample_size, log_mean_weight, normalised_weights, resample
-from smc_sd.engine.result import AllParticlesDiedError, CycleStats, Result
+from smc_sd.engine.result import AllParticlesDiedError, CycleStats, Result, kv_memory
 from smc_sd.engine.sampling import gather_last, sample_tokens, tempered_logprobs
 from smc_sd.program.constraints import UnsatisfiableConstraintError
 
@@ -200,6 +200,7 @@ def run_smc(plan, prompt: list[int], generator: torch.Generator, on_cycle=None) 
                 draft_passes=draft_passes,
                 seconds=time.perf_counter() - start,
                 decode=plan.target.decode,
+                kv=kv_memory(target_rows, draft_rows),
                 mask_seconds=plan.masker.seconds if plan.masker is not None else 0.0,
             )
 

@@ -19,7 +19,7 @@ import time
 import torch
 
 from smc_sd.compiler.masks import apply_mask, masked_logprobs
-from smc_sd.engine.result import AllParticlesDiedError, CycleStats, Result
+from smc_sd.engine.result import AllParticlesDiedError, CycleStats, Result, kv_memory
 from smc_sd.engine.sampling import gather_last, sample_tokens, tempered_logprobs
 from smc_sd.engine.smc import block_masks, draft_block, first_token_mask, trim_at_eos
 
@@ -79,6 +79,7 @@ def run_speculative(plan, prompt: list[int], generator: torch.Generator, on_cycl
                 draft_passes=k * len(cycles),
                 seconds=time.perf_counter() - start,
                 decode=plan.target.decode,
+                kv=kv_memory(target_rows, draft_rows),
                 mask_seconds=plan.masker.seconds if plan.masker is not None else 0.0,
             )
 

@@ -1,0 +1,181 @@
+"""KV-cache memory of SMC-SD: the shared token-trie cache against one full copy per particle.
+
+For each configuration (N particles, draft length K) one SMC-SD run decodes `--new-tokens` tokens
+after a `--prompt-tokens` prompt; reported per configuration:
+- naive_kv_bytes: the peak of N · length positions' KV, what per-particle copies hold;
+- shared_kv_bytes: the peak KV bytes in use in the block pools (target and draft together);
+- saving: 1 - shared / naive.
+
+Modes:
+- "dry" (default, seconds): the real SMC-SD engine and the real cache bookkeeping
+  (`smc_sd.backends.dry_run`), sized by the default model's KV (target and draft layer counts,
+  heads, head size, fp32), with a cheap bigram target and a noisy bigram draft answering the
+  forwards. Block counts are exact for the token streams the run produced; how often SMC-SD
+  resamples, and so how much it shares, depends on the draft-target mismatch of the bigram pair,
+  not of the real models.
+- "real": the default model and default draft with the paged cache, the same engine; slow on CPU.
+
+Usage: python benchmarks/kv_memory.py [--json] [--mode dry|real] [--new-tokens 512]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+
+from smc_sd.backends.base import LanguageModel, Sequences, Vocabulary
+
+CONFIGS = [(8, 8), (16, 8)]
+
+
+class BigramLM(LanguageModel):
+    """Next-token logits that depend on the last token only: one [V, V] table.
+
+    Args:
+        table: [V, V] float32, row t the logits after token t.
+    """
+
+    def __init__(self, table: torch.Tensor, max_length: int = 8192):
+        self.table = table
+        self._max_length = max_length
+        self._vocabulary = Vocabulary(table.shape[0], table.shape[0] - 1, f"bigram-{table.shape[0]}")
+
+    @property
+    def vocabulary(self) -> Vocabulary:
+        return self._vocabulary
+
+    @property
+    def max_length(self) -> int:
+        return self._max_length
+
+    def decode(self, token_ids: list[int]) -> str:
+        return " ".join(map(str, token_ids))
+
+    def open(self, prompt: list[int], batch_size: int):
+        last = torch.full((batch_size,), prompt[-1], dtype=torch.int64)
+        return BigramRows(self, last, len(prompt)), self.table[prompt[-1]]
+
+
+class BigramRows(Sequences):
+    def __init__(self, lm: BigramLM, last: torch.Tensor, length: int):
+        self._lm, self._last, self._length = lm, last, length
+
+    @property
+    def batch_size(self) -> int:
+        return self._last.numel()
+
+    @property
+    def length(self) -> int:
+        return self._length
+
+    def extend(self, tokens: torch.Tensor) -> torch.Tensor:
+        self._last, self._length = tokens[:, -1].clone(), self._length + tokens.shape[1]
+        # [B, L, V]
+        return self._lm.table[tokens]
+
+    def select(self, rows: torch.Tensor) -> None:
+        self._last = self._last[rows]
+
+    def truncate(self, length: int) -> None:
+        raise NotImplementedError("SMC-SD never truncates")
+
+
+def bigram_pair(vocab: int, sharpness: float, noise: float, seed: int) -> tuple[BigramLM, BigramLM]:
+    """A bigram target with logits sharpness · N(0, 1), no EOS, and a draft adding noise · N(0, 1)."""
+    generator = torch.Generator().manual_seed(seed)
+    table = sharpness * torch.randn(vocab, vocab, generator=generator)
+    table[:, -1] = -torch.inf
+    draft = table + noise * torch.randn(vocab, vocab, generator=generator)
+    return BigramLM(table), BigramLM(draft)
+
+
+def kv_bytes_per_position(config) -> int:
+    """KV bytes of one position in fp32: keys and values of every layer."""
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    return 2 * config.num_hidden_layers * heads * head_dim * 4
+
+
+def dry_models(block_size: int, args):
+    from transformers import AutoConfig
+
+    from smc_sd.backends.dry_run import DryRunLM
+    from smc_sd.models.smollm2 import DRAFT_DROPPED_LAYERS, default_model_dir
+
+    config = AutoConfig.from_pretrained(default_model_dir(), local_files_only=True)
+    per_position = kv_bytes_per_position(config)
+    draft_per_position = per_position * (config.num_hidden_layers - len(DRAFT_DROPPED_LAYERS)) // config.num_hidden_layers
+    target, draft = bigram_pair(args.vocab, args.sharpness, args.noise, args.seed)
+    return (
+        DryRunLM(target, per_position * block_size, block_size),
+        DryRunLM(draft, draft_per_position * block_size, block_size),
+    )
+
+
+def real_models(block_size: int):
+    from smc_sd.backends.hf import HFLanguageModel
+
+    return HFLanguageModel.default(block_size=block_size), HFLanguageModel.default_draft(block_size=block_size)
+
+
+def measure(target, draft, particles: int, draft_len: int, prompt: list[int], new_tokens: int, seed: int) -> dict:
+    from smc_sd import Schedule
+    from smc_sd.programs import get
+
+    program = get("smc-sd").program(target, draft, draft_len=draft_len)
+    result = program.run(prompt, Schedule(particles, max_tokens=new_tokens), seed=seed)
+    naive, shared = result.kv["naive_peak_bytes"], result.kv["peak_bytes"]
+    return {
+        "particles": particles,
+        "draft_len": draft_len,
+        "prompt_tokens": len(prompt),
+        "new_tokens": len(result.tokens),
+        "naive_kv_bytes": naive,
+        "shared_kv_bytes": shared,
+        "saving": 1 - shared / naive,
+        "resamples": result.resamples,
+        "cycles": len(result.cycles),
+        "seconds": result.seconds,
+    }
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", action="store_true", help="print only the JSON object")
+    parser.add_argument("--mode", choices=["dry", "real"], default="dry")
+    parser.add_argument("--prompt-tokens", type=int, default=256)
+    parser.add_argument("--new-tokens", type=int, default=512)
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--vocab", type=int, default=64, help="dry mode: bigram vocabulary")
+    parser.add_argument("--sharpness", type=float, default=3.0, help="dry mode: target logit scale")
+    parser.add_argument("--noise", type=float, default=1.0, help="dry mode: draft logit noise")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+
+    if args.mode == "dry":
+        target, draft = dry_models(args.block_size, args)
+    else:
+        target, draft = real_models(args.block_size)
+    vocab = target.vocabulary.size
+    prompt = torch.randint(0, vocab - 1, (args.prompt_tokens,), generator=torch.Generator().manual_seed(args.seed)).tolist()
+    started = time.perf_counter()
+    configs = [measure(target, draft, n, k, prompt, args.new_tokens, args.seed) for n, k in CONFIGS]
+    data = {
+        "benchmark": "kv_memory",
+        "mode": args.mode,
+        "model": "SmolLM2-135M-Instruct KV shape (fp32), default draft without layer 5",
+        "block_size": args.block_size,
+        "configs": configs,
+        "wall_seconds": time.perf_counter() - started,
+    }
+    if args.mode == "dry":
+        data["dry_models"] = {"vocab": args.vocab, "sharpness": args.sharpness, "noise": args.noise}
+    print(json.dumps(data, indent=None if args.json else 1))
+    return data
+
+
+if __name__ == "__main__":
+    main()

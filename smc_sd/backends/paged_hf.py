@@ -1,0 +1,175 @@
+"""Rows of a transformers model whose KV lives in the model's shared block pool.
+
+`PagedHFSequences` keeps only block tables (`smc_sd.cache.manager`); the KV bytes sit in one
+`KVStore` per model. A forward appending L tokens to B rows of length S:
+
+1. the manager makes room (copy on write of shared partial blocks, new blocks) and returns the
+   slots [B, L] of the new positions; the store grows and copies blocks if asked;
+2. every attention layer writes its new keys and values at those slots, then reads back all
+   S + L positions of every row, gathered through the block tables into [B, H, S + L, D];
+3. the blocks that became full enter the token trie, where equal blocks merge.
+
+Rows share prefixes by pointer: the prompt is computed once and its blocks are shared by all N
+rows; `select` (resampling, forking) copies block ids and adjusts counts, never KV bytes.
+
+Invariants of `PagedHFSequences` (checked with `check_invariants`): its block tables obey the
+manager's invariants; after `close()` every reference is returned and other methods raise.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+from smc_sd.backends.base import Sequences, check_extend, check_rows, check_truncate
+from smc_sd.cache.manager import KVCacheManager
+from smc_sd.cache.store import KVStore
+
+DEFAULT_BLOCK_SIZE = 16
+
+
+class PagedLayer(CacheLayerMixin):
+    """One attention layer's view of the store during one forward.
+
+    Args:
+        store: the model's KV store.
+        layer: this layer's index in the store.
+        past: S, positions already cached per row.
+        write_slots: [B, L] int64 slots of the appended positions.
+        read_slots: [B, S + L] int64 slots of every position.
+    """
+
+    is_compileable = False
+    is_sliding = False
+
+    def __init__(self, store: KVStore, layer: int, past: int, write_slots, read_slots):
+        super().__init__()
+        self.store, self.layer, self.past = store, layer, past
+        self.write_slots, self.read_slots = write_slots, read_slots
+        self.is_initialized = True
+
+    def lazy_initialization(self, key_states, value_states) -> None:
+        """Nothing to allocate: the store already exists."""
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        """Write the new KV [B, H, L, D]; return every position's KV [B, H, S + L, D]."""
+        self.store.write(self.layer, self.write_slots, key_states, value_states)
+        return self.store.read(self.layer, self.read_slots)
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.past + query_length, 0
+
+    def get_seq_length(self) -> int:
+        return self.past
+
+    def get_max_length(self) -> int:
+        return -1
+
+
+def paged_cache(store: KVStore, past: int, write_slots, read_slots) -> Cache:
+    """A transformers Cache whose every layer reads and writes the store through the slots."""
+    return Cache(
+        layers=[PagedLayer(store, layer, past, write_slots, read_slots) for layer in range(len(store.keys))]
+    )
+
+
+class PagedKV:
+    """The block manager and KV store of one model, created at its first paged open.
+
+    Args:
+        config: the model's transformers config (layers, key-value heads, head size).
+        dtype, device: of the KV.
+        block_size: positions per block.
+    """
+
+    def __init__(self, config, dtype, device, block_size: int = DEFAULT_BLOCK_SIZE):
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+        self.store = KVStore(config.num_hidden_layers, heads, head_dim, block_size, dtype, device)
+        self.manager = KVCacheManager(block_size, self.store.bytes_per_block)
+
+
+class PagedHFSequences(Sequences):
+    """B equal-length rows of an `HFLanguageModel`, held as block tables over its `PagedKV`."""
+
+    def __init__(self, lm, kv: PagedKV, table):
+        self._lm, self._kv, self._table = lm, kv, table
+
+    @classmethod
+    def open(cls, lm, kv: PagedKV, prompt: list[int], batch_size: int) -> tuple[PagedHFSequences, torch.Tensor]:
+        """Compute the prompt once into one row, then fork it to `batch_size` rows.
+
+        Returns:
+            The rows and the next-token logits after the prompt, [V] float32.
+        """
+        table, plan = kv.manager.open(prompt)
+        rows = cls(lm, kv, table)
+        try:
+            logits = rows._forward(torch.tensor([prompt]), plan, last_only=True)
+            kv.manager.select(table, torch.zeros(batch_size, dtype=torch.int64))
+        except BaseException:
+            rows.close()
+            raise
+        return rows, logits[0, -1]
+
+    @property
+    def batch_size(self) -> int:
+        return self._table.batch_size
+
+    @property
+    def length(self) -> int:
+        return self._table.length
+
+    def extend(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Append tokens [B, L] int64 to every row; return logits [B, L, V] float32."""
+        self._check_open()
+        check_extend(tokens, self.batch_size, self.length, self._lm.max_length)
+        plan = self._kv.manager.append(self._table, tokens)
+        return self._forward(tokens, plan)
+
+    def select(self, rows: torch.Tensor) -> None:
+        """Make row i a copy of old row rows[i]: block ids are copied, KV bytes are not."""
+        self._check_open()
+        check_rows(rows, self.batch_size)
+        self._kv.manager.select(self._table, rows)
+
+    def truncate(self, length: int) -> None:
+        """Keep the first `length` positions of every row."""
+        self._check_open()
+        check_truncate(length, self.length)
+        self._kv.manager.truncate(self._table, length)
+
+    def close(self) -> None:
+        self._kv.manager.release(self._table)
+
+    def memory(self) -> dict:
+        """The pool's statistics as seen by these rows (`KVCacheManager.memory`)."""
+        return self._kv.manager.memory(self._table)
+
+    def check_invariants(self) -> None:
+        self._kv.manager.check_invariants(self._table)
+
+    def _forward(self, tokens: torch.Tensor, plan, last_only: bool = False) -> torch.Tensor:
+        """Run the forward of an appended block through the pool.
+
+        Args:
+            tokens: [B, L] int64, already recorded in the table by the plan.
+            plan: the manager's AppendPlan for them.
+
+        Returns:
+            [B, L, V] float32 logits ([B, 1, V] with `last_only`).
+        """
+        manager, store, device = self._kv.manager, self._kv.store, self._lm.device
+        start = self.length - tokens.shape[1]
+        store.ensure_capacity(manager.pool.capacity)
+        store.copy_blocks(plan.copies)
+        cache = paged_cache(
+            store, start, plan.slots.to(device), manager.slots(self._table).to(device)
+        )
+        logits = self._lm._forward(tokens.to(device=device, dtype=torch.long), start, cache, last_only)
+        manager.commit(self._table, start)
+        return logits
+
+    def _check_open(self) -> None:
+        if self._table.closed:
+            raise ValueError("these sequences were closed")

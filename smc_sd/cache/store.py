@@ -1,0 +1,96 @@
+"""The KV bytes of one model's pool: per layer, keys and values at flat slots.
+
+Layer l's keys are one tensor [P · block_size, H, D] (H key-value heads, D head size): block k
+holds slots k · block_size .. (k + 1) · block_size - 1. The store is indexed only by the slots the
+manager hands out; it knows nothing of rows, counts or tokens.
+
+Invariant: every layer's tensors have P · block_size slots, P = `capacity`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class KVStore:
+    """Keys and values of every layer at every slot of a pool.
+
+    Args:
+        layers: decoder layers holding a KV cache.
+        heads: H, key-value heads per layer.
+        head_dim: D.
+        block_size: slots per block.
+        dtype, device: of the KV tensors.
+    """
+
+    def __init__(self, layers: int, heads: int, head_dim: int, block_size: int, dtype, device):
+        self.block_size = block_size
+        self.capacity = 0
+        self._shape = (heads, head_dim)
+        self._dtype, self._device = dtype, device
+        # per layer: [P · block_size, H, D]
+        self.keys = [self._empty(0) for _ in range(layers)]
+        self.values = [self._empty(0) for _ in range(layers)]
+
+    @property
+    def bytes_per_block(self) -> int:
+        """KV bytes of one block over all layers, keys and values."""
+        heads, head_dim = self._shape
+        element = torch.empty((), dtype=self._dtype).element_size()
+        return 2 * len(self.keys) * self.block_size * heads * head_dim * element
+
+    def ensure_capacity(self, blocks: int) -> None:
+        """Grow every tensor to hold `blocks` blocks, keeping what is stored."""
+        if blocks <= self.capacity:
+            return
+        extra = (blocks - self.capacity) * self.block_size
+        self.keys = [torch.cat([k, self._empty(extra)]) for k in self.keys]
+        self.values = [torch.cat([v, self._empty(extra)]) for v in self.values]
+        self.capacity = blocks
+
+    def copy_blocks(self, pairs: torch.Tensor) -> None:
+        """Copy whole blocks, every layer: block pairs[c, 1] becomes a copy of block pairs[c, 0].
+
+        Args:
+            pairs: [C, 2] int64 (source, destination) block ids; destinations distinct.
+        """
+        if pairs.numel() == 0:
+            return
+        offsets = torch.arange(self.block_size)
+        # [C · block_size] slots of the sources and of the destinations
+        source = (pairs[:, 0, None] * self.block_size + offsets).reshape(-1).to(self._device)
+        target = (pairs[:, 1, None] * self.block_size + offsets).reshape(-1).to(self._device)
+        for tensors in (self.keys, self.values):
+            for layer in tensors:
+                layer.index_copy_(0, target, layer.index_select(0, source))
+
+    def write(self, layer: int, slots: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Store new positions' KV.
+
+        Args:
+            slots: [B, L] int64 distinct flat slots on the store's device.
+            keys, values: [B, H, L, D], as a transformers attention layer produces them.
+        """
+        flat = slots.reshape(-1)
+        # [B, H, L, D] -> [B, L, H, D] -> [B · L, H, D]
+        self.keys[layer].index_copy_(0, flat, keys.transpose(1, 2).reshape(flat.numel(), *self._shape))
+        self.values[layer].index_copy_(0, flat, values.transpose(1, 2).reshape(flat.numel(), *self._shape))
+
+    def read(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Gather the KV of every row's positions into contiguous rows.
+
+        Args:
+            slots: [B, S] int64 flat slots on the store's device.
+
+        Returns:
+            keys, values: [B, H, S, D] (views transposed from [B, S, H, D]).
+        """
+        batch, length = slots.shape
+        flat = slots.reshape(-1)
+        # [B · S, H, D] -> [B, S, H, D] -> [B, H, S, D]
+        keys = self.keys[layer].index_select(0, flat).view(batch, length, *self._shape)
+        values = self.values[layer].index_select(0, flat).view(batch, length, *self._shape)
+        return keys.transpose(1, 2), values.transpose(1, 2)
+
+    def _empty(self, slots: int) -> torch.Tensor:
+        return torch.zeros(slots, *self._shape, dtype=self._dtype, device=self._device)

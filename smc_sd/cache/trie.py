@@ -1,0 +1,70 @@
+"""The token trie: full KV blocks indexed by (parent block, the block's token ids).
+
+A block's KV depends only on its tokens and on every token before it, that is on its own tokens
+and its parent block (the block before it on the path, itself determined the same way). So two
+paths whose full blocks have equal keys hold equal KV, and the second can point at the first's
+block instead of keeping its own: equal prefixes share blocks even when they arose separately.
+
+Only full blocks are indexed (a partial block still changes). A block leaves the index when it is
+freed or when its only holder is about to write into it (after a truncation made it partial).
+
+Invariants (`check_invariants`):
+- `node[block] = (parent, tokens)` exactly when `child[(parent, tokens)] = block`;
+- every indexed block is live in the pool, and so is its parent (ROOT stands for "no parent").
+"""
+
+from __future__ import annotations
+
+from smc_sd.cache.pool import BlockPool
+
+ROOT = -1
+
+
+class TokenTrie:
+    """Maps (parent block, token ids) to the block holding their KV."""
+
+    def __init__(self):
+        self._child: dict[tuple[int, tuple[int, ...]], int] = {}
+        self._node: dict[int, tuple[int, tuple[int, ...]]] = {}
+
+    def __len__(self) -> int:
+        return len(self._node)
+
+    def __contains__(self, block: int) -> bool:
+        return block in self._node
+
+    def lookup(self, parent: int, tokens: tuple[int, ...]) -> int | None:
+        """The indexed block after `parent` holding `tokens`, or None."""
+        return self._child.get((parent, tokens))
+
+    def insert(self, block: int, parent: int, tokens: tuple[int, ...]) -> None:
+        """Index a full block; its key must be new and the block not yet indexed."""
+        key = (parent, tokens)
+        if key in self._child or block in self._node:
+            raise ValueError(f"block {block} or its key is already indexed")
+        self._child[key] = block
+        self._node[block] = key
+
+    def remove(self, blocks) -> None:
+        """Drop the listed blocks from the index (those not indexed are ignored)."""
+        for block in blocks:
+            key = self._node.pop(int(block), None)
+            if key is not None:
+                del self._child[key]
+
+    def parent(self, block: int) -> int:
+        """The parent of an indexed block (ROOT for a first block)."""
+        return self._node[block][0]
+
+    def edges(self) -> list[tuple[int, int, tuple[int, ...]]]:
+        """(parent, block, tokens) for every indexed block, parents ROOT or block ids."""
+        return [(parent, block, tokens) for block, (parent, tokens) in self._node.items()]
+
+    def check_invariants(self, pool: BlockPool) -> None:
+        """Raise AssertionError if a listed invariant fails."""
+        assert len(self._child) == len(self._node), "child and node maps differ in size"
+        for block, key in self._node.items():
+            assert self._child.get(key) == block, f"block {block}'s key maps elsewhere"
+            parent = key[0]
+            for held in (block, parent) if parent != ROOT else (block,):
+                assert pool.count(held) > 0, f"indexed block {held} is free"
