@@ -26,9 +26,9 @@ SHOTS = "3 + 4 = 7\n8 + 1 = 9\n2 + 6 = 8\n5 + 5 = 10\n"
 SETTINGS = [
     {"method": "ar"},
     {"method": "sd", "draft_len": 2},
+    {"method": "smc-sd", "particles": 2, "draft_len": 2},
     {"method": "smc-sd", "particles": 4, "draft_len": 2},
-    {"method": "smc-sd", "particles": 8, "draft_len": 2},
-    {"method": "smc-sd", "particles": 8, "draft_len": 2, "alpha": 4.0},
+    {"method": "smc-sd", "particles": 4, "draft_len": 2, "alpha": 4.0},
 ]
 
 
@@ -110,8 +110,8 @@ def plot(rows: list[dict]) -> list[str]:
 
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--items", type=int, default=100, help="items (the committed results use 300)")
-    parser.add_argument("--max-tokens", type=int, default=4, help="new tokens per answer")
+    parser.add_argument("--items", type=int, default=100, help="items (the committed results use 200)")
+    parser.add_argument("--max-tokens", type=int, default=3, help="new tokens per answer (' ', '1', '4' for 14)")
     parser.add_argument("--seed", type=int, default=0, help="seeds the items and the runs")
     parser.add_argument("--draft", default=None, help="a local draft model directory")
     parser.add_argument("--no-write", action="store_true", help="print JSON only; write no files")

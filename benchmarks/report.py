@@ -1,0 +1,161 @@
+"""Write the README's results section from benchmarks/results/*.json.
+
+The section lies between the markers below; everything between them is replaced, nothing else in
+README.md is touched (the markers are appended at the end if they are missing).
+
+Usage: python benchmarks/report.py [--readme README.md] [--check]
+(--check exits 1 if the README's section differs from what the JSON gives.)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import sys
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "benchmarks" / "results"
+START, END = "<!-- results:start -->", "<!-- results:end -->"
+
+
+def load(name: str) -> dict | None:
+    path = RESULTS / f"{name}.json"
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def table(header: list[str], rows: list[list]) -> list[str]:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    return lines + ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+
+
+def measured(data: dict) -> str:
+    env = data["environment"]
+    where = env.get("cuda") or f"{env['machine']}, {env['cpus']} cores, {env['torch_threads']} torch thread(s)"
+    return f"Measured {env['date']} on {where}, torch {env['torch']}: `python benchmarks/{env['command']}`."
+
+
+def speed_section(data: dict) -> list[str]:
+    has_logprob = "mean_target_logprob" in data["rows"][0]
+    header = ["configuration", "tokens/s", "target passes / token", "x ar"]
+    header += ["mean target log-prob / token"] if has_logprob else []
+    rows = []
+    for r in data["rows"]:
+        row = [r["label"], f"{r['tokens_per_second']:.2f}", f"{r['target_passes_per_token']:.2f}", f"{r['speedup_vs_ar']:.2f}"]
+        if has_logprob:
+            row.append(f"{r['mean_target_logprob']:.2f} ± {r['mean_target_logprob_stderr']:.2f}")
+        rows.append(row)
+    return [
+        "### Speed (CPU, default model)", "",
+        f"{data['prompts']} chat prompt(s), {data['max_tokens']} new tokens each; draft: {data['draft']}. "
+        + measured(data), "",
+        *table(header, rows), "",
+        "On this CPU a wide verify pass costs several times a one-token pass, so wall-clock ratios here "
+        "are costs as measured, not GPU predictions; target passes per token is the hardware-independent "
+        "part (1/(K+1) for smc-sd).", "",
+        "![speed](benchmarks/results/speed.png)", "",
+    ]
+
+
+def fidelity_section(data: dict) -> list[str]:
+    toy = data["toy"]
+    ks = sorted({r["draft_len"] for r in toy["rows"]})
+    ns = sorted({r["particles"] for r in toy["rows"] if r["method"] == "smc-sd"})
+    rows = []
+    for alpha in (1.0, 2.0):
+        for k in ks:
+            tvs = {r["particles"]: r["tv"] for r in toy["rows"]
+                   if r["method"] == "smc-sd" and r["draft_len"] == k and r["alpha"] == alpha}
+            rows.append([f"smc-sd K={k}, target p^{alpha:g}"] + [f"{tvs[n]:.3f}" for n in ns])
+    for r in (r for r in toy["rows"] if r["method"] == "sd"):
+        rows.append([f"exact sd K={r['draft_len']} (control)", f"{r['tv']:.3f}"] + [""] * (len(ns) - 1))
+    for alpha, floor in toy["floor"].items():
+        rows.append([f"floor: {toy['samples']} exact draws of p^{float(alpha):g}", f"{floor:.3f}"] + [""] * (len(ns) - 1))
+    t = toy["toy"]
+    lines = [
+        "### Fidelity", "",
+        f"Toy LM (vocabulary {t['vocab_size']} with EOS, random logits x {t['scale']}, draft = target + "
+        f"N(0, {t['draft_noise']}²) logit noise, up to {t['max_tokens']} tokens, {toy['support']} possible "
+        f"completions): total variation between the returned texts of {toy['samples']} seeded runs and the "
+        "exact target, by particles N. " + measured(data), "",
+        *table(["method"] + [f"N={n}" for n in ns], rows), "",
+        "![fidelity on a toy LM](benchmarks/results/fidelity_toy.png)", "",
+    ]
+    lm = data.get("lm")
+    if lm:
+        lm_rows = []
+        for r in lm["rows"]:
+            label = r["method"] + (f" K={r['draft_len']}" if "draft_len" in r else "")
+            label += f" N={r['particles']}" if r["method"] == "smc-sd" else ""
+            label += f" alpha={r['alpha']:g}" if r.get("alpha", 1.0) != 1.0 else ""
+            lm_rows.append([label, f"{r['mean_logprob_per_token']:.3f}", f"{r['stderr']:.3f}", r["outputs"]])
+        lines += [
+            f"Default model: each method's outputs ({lm['prompts']} prompts x {lm['seeds']} seeds, up to "
+            f"{lm['max_tokens']} tokens) scored by the target at T = 1.", "",
+            *table(["method", "mean log p_T per token (nats)", "standard error", "outputs"], lm_rows), "",
+            "![fidelity on the default model](benchmarks/results/fidelity_lm.png)", "",
+        ]
+    return lines
+
+
+def accuracy_section(data: dict) -> list[str]:
+    rows = [[r["label"], f"{100 * r['accuracy']:.1f}%", f"{100 * r['ci95'][0]:.1f}-{100 * r['ci95'][1]:.1f}%",
+             f"{r['correct']}/{r['items']}", f"{r['seconds_per_item']:.2f}"] for r in data["rows"]]
+    return [
+        "### Accuracy", "",
+        f"Task: {data['task']}; {data['model']}; draft: {data['draft']}. " + measured(data), "",
+        *table(["method", "accuracy", "95% interval (Wilson)", "correct", "seconds / item"], rows), "",
+        "![accuracy](benchmarks/results/accuracy.png)", "",
+    ]
+
+
+def gpu_section(data: dict | None) -> list[str]:
+    lines = ["### GPU (per-cycle cost model)", ""]
+    if data is None:
+        return lines + [
+            "Not run yet: no CUDA GPU was available when this section was generated. "
+            "`python benchmarks/gpu.py` on an H200-class GPU (under 5 minutes) writes "
+            "`benchmarks/results/gpu.json`; rerun this report to add its table here.", "",
+        ]
+    rows = [[r["label"], f"{r['cycle_ms']:.2f}", f"{r['tokens_per_cycle']:.2f}", f"{r['tokens_per_second']:.1f}",
+             f"{r['speedup_vs_ar']:.2f}"] for r in data["rows"]]
+    f = data["floor"]
+    rows.append(["memory floor of one target step", f"{f['ms']:.2f}", "1.00", f"{1000 / f['ms']:.1f}", ""])
+    return lines + [
+        f"{data['target']} target, {data['draft']} draft, random {data['dtype']} weights, batch 1, "
+        f"{data['prompt_len']}-token prompt, HF eager. " + measured(data), "",
+        *table(["method", "cycle ms", "tokens / cycle", "tokens/s", "x ar"], rows), "",
+    ]
+
+
+def render() -> str:
+    lines = [START, "## Results", "",
+             "Generated by `python benchmarks/report.py` from `benchmarks/results/*.json`; do not edit by hand.", ""]
+    for name, section in [("speed", speed_section), ("fidelity", fidelity_section), ("accuracy", accuracy_section)]:
+        data = load(name)
+        lines += section(data) if data else [f"### {name.capitalize()}", "", f"Not run yet: `python benchmarks/{name}.py`.", ""]
+    lines += gpu_section(load("gpu"))
+    return "\n".join(lines + [END])
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--readme", default=str(ROOT / "README.md"))
+    parser.add_argument("--check", action="store_true", help="only compare; exit 1 if the README is stale")
+    args = parser.parse_args(argv)
+    readme = pathlib.Path(args.readme)
+    text = readme.read_text()
+    section = render()
+    if START in text and END in text:
+        updated = text[: text.index(START)] + section + text[text.index(END) + len(END):]
+    else:
+        updated = text.rstrip("\n") + "\n\n" + section + "\n"
+    if args.check:
+        return 0 if updated == text else 1
+    readme.write_text(updated)
+    print(section)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
