@@ -198,3 +198,24 @@ def test_potential_twist_scores_decoded_prefixes():
     target, draft = target_and_draft()
     twist = potential_twist(genlm.BoolFSA.from_regex("|".join(LANGUAGE)), target)
     assert twist([[0], [1, 2], [1, 0], [2, 1, 1]]).tolist() == [0.0, 0.0, -math.inf, 0.0]
+
+
+def test_block_end_potential_composes_with_a_constraint():
+    from smc_sd.program.scores import FunctionPotential
+
+    target, draft = target_and_draft(noise=1.0)
+    constraint = language_constraint(("ab", "ba", "bb", "cab", "a", "cc"))
+
+    def log_phi(x, complete):
+        # a soft preference against "b", and a bonus for finishing
+        return -1.5 * x.count(1) + (0.5 if complete else 0.0)
+
+    conditional, _ = target.completion_distribution(PROMPT, MAX_TOKENS, constraint=constraint)
+    weighted = {x: p * math.exp(log_phi(x[:-1] if x[-1] == 3 else x, x[-1] == 3)) for x, p in conditional.items()}
+    exact = {x: w / sum(weighted.values()) for x, w in weighted.items()}
+    runs = 1000
+    tolerance = tv_tolerance(exact, runs)
+    assert total_variation(exact, conditional) > tolerance + 0.05
+    program = smc_speculative.program(target, draft, draft_len=2, constraints=(constraint,), potentials=(FunctionPotential(log_phi),))
+    samples = sample_completions(program, Schedule(64, max_tokens=MAX_TOKENS), runs)
+    assert total_variation(empirical(samples), exact) < tolerance

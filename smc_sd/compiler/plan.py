@@ -17,6 +17,7 @@ import torch
 
 from smc_sd.backends.base import ContextOverflowError, LanguageModel, check_same_vocabulary
 from smc_sd.compiler.masks import Masker
+from smc_sd.program.scores import BlockPotential, ProductPotential, as_block_potential
 from smc_sd.engine.resampling import check_resampler
 from smc_sd.engine.result import CycleStats, Result
 
@@ -39,6 +40,7 @@ class StepPlan:
         masker: the conjunction of the target's boolean constraints as batched next-token
             masks, or None when unconstrained.
         twist: the program's twist (log psi of prefixes), or None.
+        potential: the product of the target's block-end potentials, or None.
     """
 
     name: str
@@ -55,6 +57,7 @@ class StepPlan:
     max_tokens: int
     masker: Masker | None = None
     twist: Callable | None = None
+    potential: BlockPotential | None = None
 
     @property
     def tokens_per_pass(self) -> int:
@@ -129,6 +132,11 @@ def compile_program(program, schedule, prompt_length: int) -> StepPlan:
                 f"{lm.max_length}"
             )
     constraints = tuple(as_token_constraint(c, target.lm) for c in target.constraints)
+    potentials = tuple(as_block_potential(p, target.lm) for p in target.potentials)
+    _require(
+        not potentials or program.verification == "importance",
+        "potentials reweight particles; exact speculative decoding has none to reweight, use smc-sd",
+    )
     _require(
         program.twist is None or program.verification == "importance",
         "a twist reweights particles; exact speculative decoding has none to reweight, use smc-sd",
@@ -148,4 +156,5 @@ def compile_program(program, schedule, prompt_length: int) -> StepPlan:
         max_tokens=schedule.max_tokens,
         masker=Masker(constraints, target.lm.vocabulary.size) if constraints else None,
         twist=program.twist,
+        potential=ProductPotential(potentials) if potentials else None,
     )

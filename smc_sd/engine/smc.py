@@ -27,6 +27,7 @@ import torch
 from smc_sd.backends.base import Sequences
 from smc_sd.compiler.masks import apply_mask, masked_logprobs
 from smc_sd.engine.resampling import effective_sample_size, log_mean_weight, normalised_weights, resample
+from smc_sd.engine.rescoring import rescore, retwist
 from smc_sd.engine.result import AllParticlesDiedError, CycleStats, Result, kv_memory
 from smc_sd.engine.sampling import gather_last, sample_tokens, tempered_logprobs
 from smc_sd.program.constraints import UnsatisfiableConstraintError
@@ -156,6 +157,8 @@ def run_smc(plan, prompt: list[int], generator: torch.Generator, on_cycle=None) 
     With constraints the draft and the bonus token are masked (module docstring of
     `smc_sd.compiler.masks`): a drafted column adds alpha log p_T(x_k) - log q~(x_k) and the bonus
     adds log sum_v p_T(v)^alpha m(v); a particle whose mask allows no token gets weight zero.
+    Block-end potentials phi add log phi(new prefix) - log phi(old prefix) at the first token and
+    at every block end (complete scores for finished particles) and stay in the final weights.
     With a twist, log w += log psi(first token) at the first token and log psi(new prefix) -
     log psi(old prefix) at every block end; the last twist is removed from the final weights.
 
@@ -174,13 +177,16 @@ def run_smc(plan, prompt: list[int], generator: torch.Generator, on_cycle=None) 
         first = sample_tokens(first_scores.expand(n, -1), generator)
         # [N] float64, relative to the last resampling (twist included)
         logw = torch.full((n,), float(torch.logsumexp(first_scores, 0)), dtype=torch.float64)
-        # [N] float64 log psi of each particle's prefix, already inside logw
+        # [N] float64 log psi and log phi (block-end potentials) of each prefix, inside logw
         log_twist = torch.zeros(n, dtype=torch.float64)
+        log_phi = torch.zeros(n, dtype=torch.float64)
         log_z = 0.0
         # [N, S] generated tokens; [N, 1] / [N, U] tokens the target / draft have not read
         tokens = first[:, None]
         target_unseen, draft_unseen = first[:, None], first[:, None]
         finished = first == eos
+        if plan.potential is not None:
+            logw, log_phi = rescore(plan.potential, tokens, finished, torch.ones(n, dtype=torch.bool), logw, log_phi, eos)
         if plan.twist is not None:
             logw, log_twist = retwist(plan.twist, tokens, finished, logw, log_twist)
         cycles: list[CycleStats] = []
@@ -234,10 +240,13 @@ def run_smc(plan, prompt: list[int], generator: torch.Generator, on_cycle=None) 
                 increments[:, :k] = increments[:, :k].masked_fill(draft.dead, -math.inf)
             keep = block_mask(block, finished, eos, budget)
             logw = logw + torch.where(keep, increments, torch.zeros_like(increments)).sum(1)
+            was_running = ~finished
             finished = finished | ((block == eos) & keep).any(1)
             tokens = torch.cat([tokens, block[:, : min(k + 1, budget)]], 1)
             target_unseen = bonus[:, None]
             draft_unseen = block[:, -2:] if k > 0 else None
+            if plan.potential is not None:
+                logw, log_phi = rescore(plan.potential, tokens, finished, was_running, logw, log_phi, eos)
             if plan.twist is not None:
                 logw, log_twist = retwist(plan.twist, tokens, finished, logw, log_twist)
 
@@ -252,7 +261,7 @@ def run_smc(plan, prompt: list[int], generator: torch.Generator, on_cycle=None) 
                 log_z += log_mean_weight(logw)
                 ancestors = resample(logw, generator, plan.resampling)
                 tokens, finished = tokens[ancestors], finished[ancestors]
-                log_twist = log_twist[ancestors]
+                log_twist, log_phi = log_twist[ancestors], log_phi[ancestors]
                 target_unseen = target_unseen[ancestors]
                 target_rows.select(ancestors)
                 if draft_rows is not None:
@@ -274,31 +283,3 @@ def run_smc(plan, prompt: list[int], generator: torch.Generator, on_cycle=None) 
         if draft_rows is not None:
             draft_rows.close()
 
-
-def retwist(
-    twist, tokens: torch.Tensor, finished: torch.Tensor, logw: torch.Tensor, log_twist: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Swap each particle's old twist for the twist of its new prefix.
-
-    log w += log psi(new prefix) - log psi(old prefix) for particles with nonzero weight;
-    finished particles get psi = 1 (their twist is removed), dead ones keep log w = -inf.
-
-    Args:
-        twist: log psi of a batch of prefixes.
-        tokens: [N, S] int64 generated tokens.
-        finished: [N] bool.
-        logw: [N] float64 log weights including log_twist.
-        log_twist: [N] float64 the twist inside logw.
-
-    Returns:
-        (logw, log_twist) updated.
-    """
-    alive = torch.isfinite(logw)
-    scored = alive & ~finished
-    new_twist = torch.zeros_like(log_twist)
-    if bool(scored.any()):
-        rows = scored.nonzero().flatten()
-        new_twist[rows] = torch.as_tensor(twist(tokens[rows].tolist()), dtype=torch.float64)
-    logw = torch.where(alive, logw + new_twist - log_twist, logw)
-    # a particle the twist kills carries no twist (keeps -inf - 0 from turning into NaN)
-    return logw, torch.where(torch.isfinite(logw), new_twist, torch.zeros_like(new_twist))

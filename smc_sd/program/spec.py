@@ -13,7 +13,7 @@ from smc_sd.engine.result import CycleStats, Result
 
 @dataclass(frozen=True)
 class Target:
-    """The distribution to sample: pi(x) ∝ p_T(x)^alpha · prod_c phi_c(x).
+    """The distribution to sample: pi(x) ∝ p_T(x)^alpha · prod_c phi_c(x) over constraints and potentials.
 
     Attributes:
         lm: the target language model.
@@ -23,12 +23,16 @@ class Target:
             `Potential`s (BoolFSA, BoolCFG, JsonSchema, user subclasses) over bytes or over the
             LM's tokens, coerced to the LM's tokens by the compiler. They mask the draft and the
             bonus token; their masked normalisers enter the weights.
+        potentials: positive potentials phi_c scored at block end on whole prefixes
+            (`smc_sd.program.scores.BlockPotential`s, or genlm-control `Potential`s over bytes):
+            log w += log phi(new prefix) - log phi(old prefix), complete scores at EOS.
     """
 
     lm: LanguageModel
     temperature: float = 1.0
     alpha: float = 1.0
     constraints: tuple = ()
+    potentials: tuple = ()
 
 
 @dataclass(frozen=True)
