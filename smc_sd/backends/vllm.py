@@ -96,6 +96,7 @@ class VLLMLanguageModel(LanguageModel):
         # vLLM logs to stdout by default, which would break `--json` output
         os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
         vllm_capture.check_supported()
+        from transformers import AutoTokenizer
         from vllm import LLM, SamplingParams
 
         from smc_sd.backends.hf import vocabulary_fingerprint
@@ -106,7 +107,9 @@ class VLLMLanguageModel(LanguageModel):
         self.llm.collective_rpc(vllm_capture.install)
         # greedy: vLLM's own sampled token is discarded, argmax is its cheapest sampler
         self._sampling = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False, ignore_eos=True)
-        self.tokenizer = self.llm.get_tokenizer()
+        # the plain transformers tokenizer (as the hf backend loads it), not vLLM's cached wrapper:
+        # constraint compilers read its byte-level vocabulary
+        self.tokenizer = AutoTokenizer.from_pretrained(self.path, local_files_only=True)
         config = self.llm.llm_engine.model_config
         self._max_length = config.max_model_len
         self._vocabulary = Vocabulary(

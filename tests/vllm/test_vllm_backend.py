@@ -130,6 +130,40 @@ def test_program_runs_on_vllm(vllm_lm, vllm_draft, hf_lm, hf_draft, prompt, meth
     assert result.tokens == reference.tokens
 
 
+ANSWER_REGEX = r"(Yes|No)\."
+
+
+@pytest.mark.parametrize("method", ["constrained", "mask-at-verify", "power", "twisted"])
+def test_constrained_programs_run_on_vllm(vllm_lm, vllm_draft, method):
+    """The constrained (genlm-control regex), mask-at-verify, power and twisted programs on vLLM."""
+    import importlib
+    import re
+
+    from smc_sd.programs import constrained, twisted
+
+    prompt = chat_prompt(vllm_lm.tokenizer, YES_NO_QUESTION)
+    potentials = constrained.potentials(regex=ANSWER_REGEX)
+    if method == "constrained":
+        program = constrained.program(vllm_lm, vllm_draft, regex=ANSWER_REGEX, draft_len=2)
+    elif method == "mask-at-verify":
+        program = importlib.import_module("smc_sd.programs.mask_at_verify").program(
+            vllm_lm, vllm_draft, constraints=potentials, draft_len=2
+        )
+    elif method == "power":
+        program = importlib.import_module("smc_sd.programs.power").program(vllm_lm, vllm_draft, draft_len=2)
+    else:
+        program = twisted.program(
+            vllm_lm, vllm_draft, twist=twisted.potential_twist(potentials[0], vllm_lm), draft_len=2,
+            constraints=potentials,
+        )
+    # mask-at-verify is exact speculative decoding: one sequence
+    particles = 1 if method == "mask-at-verify" else 2
+    result = program.run(prompt, Schedule(particles, max_tokens=6), seed=0)
+    assert 1 <= len(result.tokens) <= 6 and math.isfinite(result.log_ml)
+    if method != "power":
+        assert re.fullmatch(ANSWER_REGEX, result.text), result.text
+
+
 class ChoiceConstraint(TokenConstraint):
     """phi(x) = 1 iff x is one of a few token sequences (a tiny token trie)."""
 
