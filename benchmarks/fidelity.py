@@ -19,12 +19,13 @@ Usage: python benchmarks/fidelity.py [--samples 2000] [--lm-prompts 3] [--lm-see
 from __future__ import annotations
 
 import argparse
+import json
 import random
 import time
 
 import torch
 
-from _common import build_program, emit, environment, load_default_models, mean_stderr, pyplot, save_figure
+from _common import RESULTS, build_program, emit, environment, load_default_models, mean_stderr, pyplot, save_figure
 
 PARTICLES = (1, 2, 4, 8, 16)
 DRAFT_LENS = (1, 2, 4)
@@ -150,13 +151,14 @@ def plot(toy: dict, lm: dict | None) -> list[str]:
     axes[0].set_ylabel("total variation to the exact target")
     paths.append(save_figure(fig, "fidelity_toy"))
     if lm is not None:
-        fig, ax = plt.subplots(figsize=(7, 0.5 * len(lm["rows"]) + 1.5))
+        fig, ax = plt.subplots(figsize=(8, 0.5 * len(lm["rows"]) + 1.8))
         labels = [fidelity_label(r) for r in lm["rows"]]
         ax.errorbar([r["mean_logprob_per_token"] for r in lm["rows"]], labels,
                     xerr=[1.96 * r["stderr"] for r in lm["rows"]], fmt="o", capsize=4)
         ax.invert_yaxis()
         ax.set_xlabel("mean target log-probability per token (nats), 95% interval")
-        ax.set_title(f"Default model: outputs scored by the target ({lm['rows'][0]['outputs']} outputs each)")
+        ax.set_title(f"Default model: each method's outputs scored by the target\n"
+                     f"({lm['rows'][0]['outputs']} outputs each, up to {lm['max_tokens']} tokens, T = 1)")
         ax.grid(axis="x", alpha=0.3)
         paths.append(save_figure(fig, "fidelity_lm"))
     return paths
@@ -175,6 +177,7 @@ def fidelity_label(row: dict) -> str:
 
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--replot", action="store_true", help="redraw the plots from results/fidelity.json")
     parser.add_argument("--samples", type=int, default=2000, help="toy runs per configuration")
     parser.add_argument("--lm-prompts", type=int, default=3)
     parser.add_argument("--lm-seeds", type=int, default=4)
@@ -183,6 +186,9 @@ def main(argv=None) -> dict:
     parser.add_argument("--draft", default=None, help="a local draft model directory")
     parser.add_argument("--no-write", action="store_true", help="print JSON only; write no files")
     args = parser.parse_args(argv)
+    if args.replot:
+        data = json.loads((RESULTS / "fidelity.json").read_text())
+        return {"plots": plot(data["toy"], data["lm"])}
 
     started = time.perf_counter()
     toy = toy_fidelity(args.samples)
