@@ -112,6 +112,8 @@ def test_equal_full_blocks_merge_through_the_trie():
     assert table.blocks[0, 1] == table.blocks[1, 1] != table.blocks[2, 1]
     assert manager.pool.live == 3
     assert (ROOT, int(table.blocks[0, 0]), (4, 4)) in manager.trie.edges()
+    graph = manager.trie.to_networkx()
+    assert graph.out_degree(int(table.blocks[0, 0])) == 2 and graph.number_of_nodes() == 4
     manager.check_invariants(table)
     manager.release(table)
     manager.release(table)

@@ -1,10 +1,12 @@
 """The KV bytes of one model's pool: per layer, keys and values at flat slots.
 
-Layer l's keys are one tensor [P · block_size, H, D] (H key-value heads, D head size): block k
-holds slots k · block_size .. (k + 1) · block_size - 1. The store is indexed only by the slots the
-manager hands out; it knows nothing of rows, counts or tokens.
+Layer l's keys are one tensor [H, P · block_size, D] (H key-value heads, D head size): block k
+holds slots k · block_size .. (k + 1) · block_size - 1 of every head. Reads gather (head, slot)
+pairs in [B, H, S] order straight into the contiguous [B, H, S, D] layout attention takes, so no
+transposed copy follows. The store is indexed only by the slots the manager hands out; it knows
+nothing of rows, counts or tokens.
 
-Invariant: every layer's tensors have P · block_size slots, P = `capacity`.
+Invariant: every layer's tensors have P · block_size slots per head, P = `capacity`.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ class KVStore:
         self.capacity = 0
         self._shape = (heads, head_dim)
         self._dtype, self._device = dtype, device
-        # per layer: [P · block_size, H, D]
+        # per layer: [H, P · block_size, D]
         self.keys = [self._empty(0) for _ in range(layers)]
         self.values = [self._empty(0) for _ in range(layers)]
 
@@ -44,8 +46,8 @@ class KVStore:
         if blocks <= self.capacity:
             return
         extra = (blocks - self.capacity) * self.block_size
-        self.keys = [torch.cat([k, self._empty(extra)]) for k in self.keys]
-        self.values = [torch.cat([v, self._empty(extra)]) for v in self.values]
+        self.keys = [torch.cat([k, self._empty(extra)], 1) for k in self.keys]
+        self.values = [torch.cat([v, self._empty(extra)], 1) for v in self.values]
         self.capacity = blocks
 
     def copy_blocks(self, pairs: torch.Tensor) -> None:
@@ -62,7 +64,7 @@ class KVStore:
         target = (pairs[:, 1, None] * self.block_size + offsets).reshape(-1).to(self._device)
         for tensors in (self.keys, self.values):
             for layer in tensors:
-                layer.index_copy_(0, target, layer.index_select(0, source))
+                layer.index_copy_(1, target, layer.index_select(1, source))
 
     def write(self, layer: int, slots: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Store new positions' KV.
@@ -71,10 +73,11 @@ class KVStore:
             slots: [B, L] int64 distinct flat slots on the store's device.
             keys, values: [B, H, L, D], as a transformers attention layer produces them.
         """
-        flat = slots.reshape(-1)
-        # [B, H, L, D] -> [B, L, H, D] -> [B · L, H, D]
-        self.keys[layer].index_copy_(0, flat, keys.transpose(1, 2).reshape(flat.numel(), *self._shape))
-        self.values[layer].index_copy_(0, flat, values.transpose(1, 2).reshape(flat.numel(), *self._shape))
+        index = self._head_slots(slots)
+        head_dim = self._shape[1]
+        # [H · P · block_size, D] views of the layer; rows (h, slot) in [B, H, L] order
+        self.keys[layer].view(-1, head_dim).index_copy_(0, index, keys.reshape(-1, head_dim))
+        self.values[layer].view(-1, head_dim).index_copy_(0, index, values.reshape(-1, head_dim))
 
     def read(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Gather the KV of every row's positions into contiguous rows.
@@ -83,14 +86,22 @@ class KVStore:
             slots: [B, S] int64 flat slots on the store's device.
 
         Returns:
-            keys, values: [B, H, S, D] (views transposed from [B, S, H, D]).
+            keys, values: [B, H, S, D] contiguous.
         """
         batch, length = slots.shape
-        flat = slots.reshape(-1)
-        # [B · S, H, D] -> [B, S, H, D] -> [B, H, S, D]
-        keys = self.keys[layer].index_select(0, flat).view(batch, length, *self._shape)
-        values = self.values[layer].index_select(0, flat).view(batch, length, *self._shape)
-        return keys.transpose(1, 2), values.transpose(1, 2)
+        heads, head_dim = self._shape
+        index = self._head_slots(slots)
+        keys = self.keys[layer].view(-1, head_dim).index_select(0, index)
+        values = self.values[layer].view(-1, head_dim).index_select(0, index)
+        # [B · H · S, D] -> [B, H, S, D]
+        return keys.view(batch, heads, length, head_dim), values.view(batch, heads, length, head_dim)
+
+    def _head_slots(self, slots: torch.Tensor) -> torch.Tensor:
+        """[B · H · S] int64 rows h · P · block_size + slot of a layer's [H · P · block_size, D] view,
+        in [B, H, S] order, for slots [B, S]."""
+        heads = torch.arange(self._shape[0], device=slots.device) * (self.capacity * self.block_size)
+        # [B, 1, S] + [1, H, 1] -> [B, H, S]
+        return (slots[:, None, :] + heads[None, :, None]).reshape(-1)
 
     def _empty(self, slots: int) -> torch.Tensor:
-        return torch.zeros(slots, *self._shape, dtype=self._dtype, device=self._device)
+        return torch.zeros(self._shape[0], slots, self._shape[1], dtype=self._dtype, device=self._device)

@@ -60,6 +60,17 @@ class TokenTrie:
         """(parent, block, tokens) for every indexed block, parents ROOT or block ids."""
         return [(parent, block, tokens) for block, (parent, tokens) in self._node.items()]
 
+    def to_networkx(self):
+        """The trie as a networkx DiGraph for inspection: an edge parent -> block per indexed
+        block, carrying its `tokens`; node ROOT (-1) is the empty prefix."""
+        import networkx
+
+        graph = networkx.DiGraph()
+        graph.add_node(ROOT)
+        for parent, block, tokens in self.edges():
+            graph.add_edge(parent, block, tokens=tokens)
+        return graph
+
     def check_invariants(self, pool: BlockPool) -> None:
         """Raise AssertionError if a listed invariant fails."""
         assert len(self._child) == len(self._node), "child and node maps differ in size"
