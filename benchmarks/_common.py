@@ -82,6 +82,8 @@ def environment() -> dict:
         "torch": torch.__version__,
         "python": platform.python_version(),
         "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+        # other jobs on a shared machine slow every timing; the 1-minute load average records it
+        "load_average": os.getloadavg()[0],
         "command": " ".join([pathlib.Path(sys.argv[0]).name] + sys.argv[1:]),
     }
 

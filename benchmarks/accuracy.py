@@ -10,11 +10,16 @@ Reported per setting: accuracy with a Wilson 95% interval, tokens/s and seconds 
 plot puts accuracy against speed, the knob the settings turn.
 
 Usage: python benchmarks/accuracy.py [--items 100] [--seed 0]
+Settings can run in separate processes and be merged:
+  accuracy.py --settings 0,1 --name part1; accuracy.py --settings 2,3,4 --name part2
+  accuracy.py --merge results/part1.json results/part2.json
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import pathlib
 import random
 import re
 import time
@@ -86,7 +91,7 @@ def evaluate(setting: dict, target, draft, pairs, max_tokens: int, seed: int) ->
     }
 
 
-def plot(rows: list[dict]) -> list[str]:
+def plot(rows: list[dict], name: str = "accuracy") -> list[str]:
     plt = pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(12, 4))
     labels = [r["label"] for r in rows]
@@ -105,7 +110,7 @@ def plot(rows: list[dict]) -> list[str]:
     axes[1].set_ylabel("accuracy (%)")
     axes[1].set_title("Accuracy against cost")
     axes[1].grid(alpha=0.3)
-    return [save_figure(fig, "accuracy")]
+    return [save_figure(fig, name)]
 
 
 def main(argv=None) -> dict:
@@ -114,13 +119,20 @@ def main(argv=None) -> dict:
     parser.add_argument("--max-tokens", type=int, default=3, help="new tokens per answer (' ', '1', '4' for 14)")
     parser.add_argument("--seed", type=int, default=0, help="seeds the items and the runs")
     parser.add_argument("--draft", default=None, help="a local draft model directory")
+    parser.add_argument("--settings", default=None, help="comma-separated indices into SETTINGS (default: all)")
+    parser.add_argument("--name", default="accuracy", help="results/<name>.json and .png")
+    parser.add_argument("--merge", nargs="+", default=None, metavar="JSON",
+                        help="combine the rows of runs over disjoint --settings into one result")
     parser.add_argument("--no-write", action="store_true", help="print JSON only; write no files")
     args = parser.parse_args(argv)
+    if args.merge:
+        return merge([json.loads(pathlib.Path(p).read_text()) for p in args.merge], args.name, not args.no_write)
 
     target, draft = load_default_models(args.draft)
     pairs = items(args.items, args.seed)
+    chosen = SETTINGS if args.settings is None else [SETTINGS[int(i)] for i in args.settings.split(",")]
     started = time.perf_counter()
-    rows = [evaluate(s, target, draft, pairs, args.max_tokens, args.seed) for s in SETTINGS]
+    rows = [evaluate(s, target, draft, pairs, args.max_tokens, args.seed) for s in chosen]
     data = {
         "benchmark": "accuracy",
         "task": "single-digit addition, 4-shot raw completion, exact match of the first integer",
@@ -133,8 +145,26 @@ def main(argv=None) -> dict:
         "rows": rows,
     }
     if not args.no_write:
-        data["plots"] = plot(rows)
-    emit("accuracy", data, write=not args.no_write)
+        data["plots"] = plot(rows, args.name)
+    emit(args.name, data, write=not args.no_write)
+    return data
+
+
+def merge(parts: list[dict], name: str, write: bool) -> dict:
+    """One result from runs of the same task over disjoint settings (rows in SETTINGS order)."""
+    keys = ("task", "model", "draft", "items", "max_tokens")
+    if any(part[k] != parts[0][k] for part in parts for k in keys):
+        raise SystemExit(f"accuracy.py --merge: the parts differ in one of {keys}")
+    order = [label(s) for s in SETTINGS]
+    rows = sorted((r for part in parts for r in part["rows"]), key=lambda r: order.index(r["label"]))
+    data = {**parts[0], "rows": rows, "wall_seconds": max(part["wall_seconds"] for part in parts),
+            "merged_from": [part["environment"]["command"] for part in parts]}
+    data["environment"] = {**parts[0]["environment"],
+                           "command": f"accuracy.py --items {data['items']} (settings in parallel processes, then --merge)"}
+    data.pop("plots", None)
+    if write:
+        data["plots"] = plot(rows, name)
+    emit(name, data, write=write)
     return data
 
 

@@ -32,6 +32,8 @@ def table(header: list[str], rows: list[list]) -> list[str]:
 def measured(data: dict) -> str:
     env = data["environment"]
     where = env.get("cuda") or f"{env['machine']}, {env['cpus']} cores, {env['torch_threads']} torch thread(s)"
+    if "load_average" in env:
+        where += f", load average {env['load_average']:.1f} at the end"
     return f"Measured {env['date']} on {where}, torch {env['torch']}: `python benchmarks/{env['command']}`."
 
 
@@ -50,9 +52,10 @@ def speed_section(data: dict) -> list[str]:
         f"{data['prompts']} chat prompt(s), {data['max_tokens']} new tokens each; draft: {data['draft']}. "
         + measured(data), "",
         *table(header, rows), "",
-        "On this CPU a wide verify pass costs several times a one-token pass, so wall-clock ratios here "
-        "are costs as measured, not GPU predictions; target passes per token is the hardware-independent "
-        "part (1/(K+1) for smc-sd).", "",
+        "On this CPU a wide verify pass costs several times a one-token pass and the default draft costs "
+        "about as much as the target, so wall-clock ratios here are costs as measured, not GPU "
+        "predictions; target passes per token is the hardware-independent part (1/(K+1) for smc-sd). "
+        "The 2-core machine was shared with other jobs, so timings vary by tens of percent between runs.", "",
         "![speed](benchmarks/results/speed.png)", "",
     ]
 
