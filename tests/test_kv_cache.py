@@ -183,3 +183,31 @@ def test_random_operations_match_reference(seed):
     manager.check_invariants()
     assert manager.pool.live == 0 and len(manager.trie) == 0
     assert manager.pool.peak_live > 0
+
+
+# --- the real engine over the bookkeeping (toy models, no KV bytes) ---------------------------
+
+
+def test_engine_returns_every_block_after_a_run_and_after_one_that_raises():
+    from smc_sd import Schedule
+    from smc_sd.backends.dry_run import DryRunLM
+    from smc_sd.backends.toy import ToyLM
+    from smc_sd.programs import get
+
+    toy = ToyLM.random(vocab_size=3, seed=0, eos=False)
+    target, draft = DryRunLM(toy, 30, 3), DryRunLM(ToyLM.perturbed(toy, 1.0), 30, 3)
+    program = get("smc-sd").program(target, draft, draft_len=2)
+    result = program.run([0, 1, 0, 1], Schedule(6, max_tokens=12), seed=0)
+    # the prompt is shared by all 6 rows of each model
+    assert 0 < result.kv["peak_bytes"] < result.kv["naive_peak_bytes"]
+    assert result.to_json()["kv_naive_bytes"] == result.kv["naive_peak_bytes"]
+
+    def interrupt(stats, rows):
+        if len(rows[0]) > 4:
+            raise RuntimeError("stop")
+
+    with pytest.raises(RuntimeError):
+        program.run([0, 1, 0, 1], Schedule(6, max_tokens=12), seed=1, on_cycle=interrupt)
+    for lm in (target, draft):
+        lm.manager.check_invariants()
+        assert lm.manager.pool.live == 0 and len(lm.manager.trie) == 0
