@@ -19,7 +19,7 @@ import argparse
 import time
 from dataclasses import asdict, dataclass, field
 
-from _common import build_program, emit, environment, load_default_models, pyplot, save_figure
+from _common import build_program, emit, environment, load_default_models, mean_stderr, pyplot, save_figure
 
 PROMPTS = [
     "Write a short story about a lighthouse keeper.",
@@ -66,15 +66,35 @@ def grid(particles=(1, 2, 4, 8, 16), draft_lens=(1, 2, 4, 8)) -> list[Config]:
     return configs + [Config("smc-sd", particles=n, draft_len=k) for n in particles for k in draft_lens]
 
 
+def target_logprobs(target, prompt: list[int], tokens: list[int]) -> list[float]:
+    """log p_T(x_t | prompt, x_<t) at T = 1 for every generated token x_t (EOS included)."""
+    import torch
+
+    rows, first = target.open(prompt, 1)
+    # [n, V]: the distribution before each generated token
+    logits = first[None]
+    if len(tokens) > 1:
+        logits = torch.cat([logits, rows.extend(torch.tensor([tokens[:-1]]))[0]])
+    rows.close()
+    logp = torch.log_softmax(logits, dim=-1)
+    return logp.gather(-1, torch.tensor(tokens)[:, None])[:, 0].tolist()
+
+
 def measure(config: Config, target, draft, prompts: list[list[int]], max_tokens: int, seed: int) -> dict:
-    """Decode every prompt once; sum tokens, seconds and passes over the prompts."""
+    """Decode every prompt once; sum tokens, seconds and passes over the prompts.
+
+    Fidelity: mean_target_logprob = the mean over all generated tokens of log p_T(x_t | x_<t)
+    (T = 1), with its standard error; scored after timing, so it costs no measured time.
+    """
     from smc_sd import Schedule
 
     options = {"draft_len": config.draft_len, **config.options} if config.draft_len else dict(config.options)
     program = build_program(config.method, target, draft, **options)
     tokens = seconds = target_passes = draft_passes = resamples = 0
+    logprobs = []
     for i, prompt in enumerate(prompts):
         result = program.run(prompt, Schedule(config.particles, max_tokens=max_tokens), seed=seed + i)
+        logprobs += target_logprobs(target, prompt, result.tokens)
         tokens += len(result.tokens)
         seconds += result.seconds
         # +1: the prompt's own forward, which also yields the first token
@@ -90,6 +110,8 @@ def measure(config: Config, target, draft, prompts: list[list[int]], max_tokens:
         "target_passes_per_token": target_passes / tokens,
         "draft_passes_per_token": draft_passes / tokens,
         "resamples": resamples,
+        "mean_target_logprob": mean_stderr(logprobs)[0],
+        "mean_target_logprob_stderr": mean_stderr(logprobs)[1],
     }
 
 
@@ -141,13 +163,16 @@ def main(argv=None) -> dict:
     started = time.perf_counter()
     rows = [measure(c, target, draft, prompts, args.max_tokens, args.seed) for c in (grid() if args.grid else CONFIGS)]
     ar = next(r["tokens_per_second"] for r in rows if r["method"] == "ar")
+    ar_logprob = next(r["mean_target_logprob"] for r in rows if r["method"] == "ar")
     for r in rows:
         r["speedup_vs_ar"] = r["tokens_per_second"] / ar
+        # 1 = the same mean target log-probability per token as ar; 1.03 = 3% lower (more negative)
+        r["logprob_ratio_vs_ar"] = r["mean_target_logprob"] / ar_logprob
     data = {
         "benchmark": "speed",
         "backend": args.backend,
         "model": "SmolLM2-135M-Instruct (fp32, CPU)",
-        "draft": args.draft or "default draft (target without decoder layer 5)",
+        "draft": args.draft or "default draft (distilled, smc_sd/models/smollm2_draft)",
         "prompts": len(prompts),
         "max_tokens": args.max_tokens,
         "environment": environment(),

@@ -86,19 +86,6 @@ def test_vocabulary(default_lm):
     assert default_lm.max_length == 8192
 
 
-def test_draft_obeys_the_laws(default_draft, prompt, continuation_rows):
-    assert len(default_draft.model.get_decoder().layers) == 29
-    testing.assert_extend_matches_full_forward(default_draft, prompt, continuation_rows[:1], ATOL)
-    testing.assert_select_consistent(
-        default_draft, prompt, continuation_rows, torch.tensor([1, 0, 1]), ATOL
-    )
-
-
-def test_draft_shares_the_vocabulary(default_lm, default_draft):
-    assert default_draft.vocabulary.fingerprint == default_lm.vocabulary.fingerprint
-    check_same_vocabulary(default_draft, default_lm)
-
-
 @pytest.mark.parametrize(
     "change", [{"fingerprint": "0" * 64}, {"size": 49153}, {"eos_token_id": 0}]
 )

@@ -106,12 +106,15 @@ class HFLanguageModel(LanguageModel):
 
     @classmethod
     def default_draft(cls, device: str | torch.device = "cpu", **options) -> HFLanguageModel:
-        """The default model without its least useful decoder layer(s): a self-speculative draft."""
-        from smc_sd.models.smollm2 import DRAFT_DROPPED_LAYERS, default_model_dir
+        """The draft distilled from the default model and shipped with the package.
 
-        return cls.from_pretrained(
-            default_model_dir(), device=device, drop_layers=DRAFT_DROPPED_LAYERS, **options
-        )
+        A few decoder layers over the target's own embedding, scoring a restricted vocabulary
+        (q = 0 elsewhere); see `smc_sd.models.draft` and the recipe `smc_sd.models.distill`.
+        """
+        from smc_sd.models.draft import load_draft
+        from smc_sd.models.smollm2 import default_model_dir
+
+        return load_draft(default_model_dir(), device=device, **options)
 
     @property
     def vocabulary(self) -> Vocabulary:

@@ -187,10 +187,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--gen-batch", type=int, default=64, help="prompts per generate call")
     parser.add_argument("--top-k", type=int, default=64, help="target probabilities kept per position")
     parser.add_argument("--draft-vocab", type=int, default=8192, help="V_S, the draft's output tokens")
-    parser.add_argument("--init-layers", default="0,1,29", help="target layers the student starts from")
+    parser.add_argument("--init-layers", default="0,1,2", help="target layers the student starts from")
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--batch", type=int, default=8, help="replies per optimiser step")
-    parser.add_argument("--lr", type=float, default=3e-4)
+    parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--work", type=pathlib.Path, default=pathlib.Path.home() / ".cache" / "smc-sd" / "distill",
                         help="where the collected data is kept (reused when present)")

@@ -4,7 +4,8 @@ The draft reads the target's (frozen) token embedding, runs a few decoder layers
 width (576) and scores a restricted output vocabulary S, |S| = V_S << V: the LM head over all
 V = 49152 tokens would cost more than the draft's layers. Only the layers, the final norm, the head
 [V_S, 576] and the ids of S are stored (`smollm2_draft/model.safetensors`, fp16); the embedding is
-read from the target's weights at load time, so nothing is downloaded.
+the target's own (frozen in training) and is read from the target's weights at load time, so
+nothing is downloaded.
 
 The draft's distribution over the full vocabulary is
 
@@ -74,7 +75,8 @@ def build_student(target_config: LlamaConfig, layers: int, vocab_ids: torch.Tens
 
 
 def save_draft(model: LlamaForCausalLM, vocab_ids: torch.Tensor, out_dir: pathlib.Path) -> None:
-    """Write config.json and model.safetensors (fp16 layers, norm, head; int64 vocab ids)."""
+    """Write config.json and model.safetensors: the trained weights in fp16 (the embedding, the
+    target's own, is left out) and the int64 vocabulary ids."""
     out_dir.mkdir(parents=True, exist_ok=True)
     tensors = {
         name: value.detach().to(torch.float16).contiguous()

@@ -1,0 +1,80 @@
+"""The shipped distilled draft: it loads offline, pairs with the target, obeys the backend laws,
+puts q = 0 off its vocabulary, is cheap, and predicts the target on held-out prompts."""
+
+import pathlib
+
+import pytest
+import torch
+
+from smc_sd import testing
+from smc_sd.backends.base import check_same_vocabulary
+from smc_sd.backends.hf import chat_prompt
+from smc_sd.models.draft import DRAFT_DIR, RestrictedVocabLM, is_draft_dir
+
+pytestmark = pytest.mark.model
+
+ATOL = 1e-4
+HELDOUT = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "prompts" / "heldout.txt"
+# Mean 1 - TV over 2 held-out prompts x 16 target-sampled positions. The shipped draft measures
+# 0.28 here; a barely trained student (10 optimiser steps) 0.08, and drafts made by skipping
+# a third or more of the target's layers 0.03-0.2 (cheap, but far worse).
+ACCEPTANCE_FLOOR = 0.22
+
+
+@pytest.fixture(scope="module")
+def prompt(default_lm):
+    return chat_prompt(default_lm.tokenizer, HELDOUT.read_text().splitlines()[0])
+
+
+def test_shipped_files_are_small_and_self_contained():
+    assert is_draft_dir(DRAFT_DIR)
+    size = sum(f.stat().st_size for f in DRAFT_DIR.iterdir())
+    assert size < 40e6
+
+
+def test_default_draft_is_the_distilled_one(default_lm, default_draft):
+    assert isinstance(default_draft, RestrictedVocabLM)
+    check_same_vocabulary(default_draft, default_lm)
+    assert default_draft.vocabulary.fingerprint == default_lm.vocabulary.fingerprint
+    # the draft's own weights (its layers and restricted head) are under a fifth of the
+    # target's non-embedding weights
+    own = sum(p.numel() for n, p in default_draft.model.named_parameters() if "embed_tokens" not in n)
+    target = sum(p.numel() for n, p in default_lm.model.named_parameters() if "embed_tokens" not in n)
+    assert own < target / 5
+
+
+def test_draft_obeys_the_laws(default_draft, prompt):
+    reply = default_draft.tokenizer.encode("The lighthouse keeper lit the lamp at dusk.")
+    # [2, 6] natural text, the second row shifted by one token so rows differ
+    rows = torch.tensor([reply[:6], reply[1:7]])
+    testing.assert_extend_matches_full_forward(default_draft, prompt, rows[:1], ATOL)
+    testing.assert_select_consistent(default_draft, prompt, rows, torch.tensor([1, 0, 1]), ATOL)
+    testing.assert_truncate_consistent(default_draft, prompt, rows, 2, ATOL)
+
+
+@pytest.mark.parametrize("temperature", [0.5, 1.0, 10.0])
+def test_q_is_exactly_zero_off_the_draft_vocabulary(default_draft, prompt, temperature):
+    _, logits = default_draft.open(prompt, 1)
+    q = torch.softmax(logits / temperature, dim=-1)
+    off = torch.ones_like(q, dtype=torch.bool)
+    off[default_draft.vocab_ids] = False
+    assert int(off.sum()) == q.numel() - len(default_draft.vocab_ids)
+    assert torch.all(q[off] == 0)
+    assert torch.all(q[~off] > 0)
+    assert abs(q.sum().item() - 1) < 1e-5
+
+
+def test_acceptance_on_heldout_prompts(default_lm, default_draft):
+    """Mean sum_v min(p, q) along target samples (T = 1, seeded) of two held-out prompts."""
+    generator = torch.Generator().manual_seed(0)
+    accept = []
+    for text in HELDOUT.read_text().splitlines()[1:3]:
+        prompt = chat_prompt(default_lm.tokenizer, text)
+        target_rows, p_logits = default_lm.open(prompt, 1)
+        draft_rows, q_logits = default_draft.open(prompt, 1)
+        for _ in range(16):
+            p = torch.softmax(p_logits, -1)
+            accept.append(torch.minimum(p, torch.softmax(q_logits, -1)).sum().item())
+            token = torch.multinomial(p, 1, generator=generator)[None]
+            p_logits, q_logits = target_rows.extend(token)[0, -1], draft_rows.extend(token)[0, -1]
+    assert sum(accept) / len(accept) > ACCEPTANCE_FLOOR
