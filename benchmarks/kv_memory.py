@@ -8,8 +8,8 @@ after a `--prompt-tokens` prompt; reported per configuration:
 
 Modes:
 - "dry" (default, seconds): the real SMC-SD engine and the real cache bookkeeping
-  (`smc_sd.backends.dry_run`), sized by the default model's KV (target and draft layer counts,
-  heads, head size, fp32), with a cheap bigram target and a noisy bigram draft answering the
+  (`smc_sd.backends.dry_run`), sized by the default target's and draft's KV (layers, heads,
+  head size, dtype), with a cheap bigram target and a noisy bigram draft answering the
   forwards. Block counts are exact for the token streams the run produced; how often SMC-SD
   resamples, and so how much it shares, depends on the draft-target mismatch of the bigram pair,
   not of the real models.
@@ -96,26 +96,23 @@ def bigram_pair(vocab: int, sharpness: float, noise: float, seed: int) -> tuple[
     return BigramLM(table), BigramLM(draft)
 
 
-def kv_bytes_per_position(config) -> int:
-    """KV bytes of one position in fp32: keys and values of every layer."""
+def kv_bytes_per_position(lm) -> int:
+    """KV bytes of one position of an `HFLanguageModel`: keys and values of every layer."""
+    config = lm.model.config
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-    return 2 * config.num_hidden_layers * heads * head_dim * 4
+    return 2 * config.num_hidden_layers * heads * head_dim * lm.model.dtype.itemsize
 
 
 def dry_models(block_size: int, args):
-    from transformers import AutoConfig
-
+    """Bigram models answering the forwards, with the default target's and draft's KV sizes."""
     from smc_sd.backends.dry_run import DryRunLM
-    from smc_sd.models.smollm2 import DRAFT_DROPPED_LAYERS, default_model_dir
 
-    config = AutoConfig.from_pretrained(default_model_dir(), local_files_only=True)
-    per_position = kv_bytes_per_position(config)
-    draft_per_position = per_position * (config.num_hidden_layers - len(DRAFT_DROPPED_LAYERS)) // config.num_hidden_layers
+    sized = real_models(block_size)
     target, draft = bigram_pair(args.vocab, args.sharpness, args.noise, args.seed)
-    return (
-        DryRunLM(target, per_position * block_size, block_size),
-        DryRunLM(draft, draft_per_position * block_size, block_size),
+    return tuple(
+        DryRunLM(bigram, kv_bytes_per_position(lm) * block_size, block_size)
+        for bigram, lm in zip((target, draft), sized)
     )
 
 
@@ -171,7 +168,7 @@ def main(argv=None) -> dict:
     data = {
         "benchmark": "kv_memory",
         "mode": args.mode,
-        "model": "SmolLM2-135M-Instruct KV shape (fp32), default draft without layer 5",
+        "model": "SmolLM2-135M-Instruct (fp32) and the default draft: their KV shapes",
         "block_size": args.block_size,
         "configs": configs,
         "wall_seconds": time.perf_counter() - started,
