@@ -16,6 +16,11 @@ nodes, not V prefix checks:
   trie node; masks are cached per byte prefix.
 A potential over the LM's own token ids is asked for `batch_logw_next` directly.
 
+Measured on SmolLM2's 49152 tokens (2 shared CPU cores): an automaton state's first walk takes
+0.01-0.7 s (0.5 s inside a JSON string, where 47,926 tokens stay live), after which a batch of
+28 prefixes costs 0.24 ms. genlm-control's `Coerced.batch_logw_next` on the same `BoolFSA` visits
+every token for every context: about 0.13 s per context and 1.0 s for a batch of 8, every time.
+
 Special tokens other than EOS never appear in masks (their text is dropped on decoding).
 """
 
