@@ -76,9 +76,11 @@ def load_models(args):
 def load_vllm_models(args):
     """The target and draft as VLLMLanguageModels, one engine each, with the CLI's engine options.
 
-    The default draft is the target without the layers `HFLanguageModel.default_draft` drops.
+    The default draft is the default model without decoder layer 5 (vLLM cannot serve the
+    package's distilled restricted-vocabulary draft).
     """
     from smc_sd.backends.vllm import VLLMLanguageModel, VLLMOptions
+    from smc_sd.models.draft import is_draft_dir
 
     options = VLLMOptions(
         tensor_parallel_size=args.tensor_parallel_size,
@@ -91,6 +93,8 @@ def load_vllm_models(args):
     target = VLLMLanguageModel(args.target, options) if args.target else VLLMLanguageModel.default(options)
     if args.method == "ar":
         return target, None
+    if args.draft is not None and is_draft_dir(args.draft):
+        raise SystemExit("smc-sd: a distilled restricted-vocabulary draft runs on --backend hf only")
     if args.draft is not None:
         return target, VLLMLanguageModel(args.draft, options)
     if args.target is None:

@@ -39,6 +39,14 @@ from smc_sd.backends import vllm_capture
 from smc_sd.backends.base import ContextOverflowError, LanguageModel, Sequences, Vocabulary
 
 
+# Decoder layers the vLLM default draft drops from the default model. Dropping layer 5 keeps the
+# most: the mean over 108 positions of 1 - TV(target, draft) next-token distributions on the
+# target's greedy replies to three chat prompts is 0.859 (next best single layers: 3 and 4, 0.826
+# and 0.825). It is only about 3% cheaper than the target: it exercises the draft-target
+# plumbing with a realistic acceptance, it does not speed anything up.
+SELF_DRAFT_DROPPED_LAYERS = (5,)
+
+
 @dataclass(frozen=True)
 class VLLMOptions:
     """Engine options passed through to `vllm.LLM`.
@@ -130,10 +138,15 @@ class VLLMLanguageModel(LanguageModel):
 
     @classmethod
     def default_draft(cls, options: VLLMOptions = VLLMOptions()) -> VLLMLanguageModel:
-        """The default model without the decoder layers the hf backend's default draft drops."""
-        from smc_sd.models.smollm2 import DRAFT_DROPPED_LAYERS, default_model_dir
+        """The default model without decoder layer(s) `SELF_DRAFT_DROPPED_LAYERS`: a self-draft.
 
-        return cls(dropped_layers_dir(default_model_dir(), DRAFT_DROPPED_LAYERS), options)
+        The package's distilled default draft (`HFLanguageModel.default_draft`) scores a restricted
+        vocabulary through its own head, which vLLM cannot serve as is; this draft is a plain
+        Llama directory vLLM loads like any other.
+        """
+        from smc_sd.models.smollm2 import default_model_dir
+
+        return cls(dropped_layers_dir(default_model_dir(), SELF_DRAFT_DROPPED_LAYERS), options)
 
     @property
     def vocabulary(self) -> Vocabulary:
