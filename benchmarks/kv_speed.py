@@ -2,8 +2,10 @@
 
 Every configuration in CONFIGS runs each prompt once per KV cache, the caches alternating prompt
 by prompt so that a change in machine load hits both alike. Reported per configuration and cache:
-tokens/s of the returned text (model load excluded), the KV peak bytes, and per configuration
-`paged_over_copy` = paged tokens/s / copy tokens/s.
+tokens/s of the returned text (wall clock, model load excluded), the process CPU seconds, the KV
+peak bytes, and per configuration `paged_over_copy` = paged tokens/s / copy tokens/s and
+`paged_over_copy_cpu` = copy CPU seconds / paged CPU seconds (above 1: the paged cache is faster).
+On a machine shared with other processes the CPU-time ratio is the steadier of the two.
 
 Usage: python benchmarks/kv_speed.py [--max-new-tokens 32] [--particles 8] [--draft-len 8] [--prompts 2]
 """
@@ -29,13 +31,18 @@ PROMPTS = [
 def measure(target, draft, particles: int, draft_len: int, prompts, max_tokens: int, seed: int) -> dict:
     """Decode every prompt with each cache in turn; sum tokens and seconds per cache."""
     program = build_program("smc-sd", target, draft, draft_len=draft_len)
-    totals = {cache: {"tokens": 0, "seconds": 0.0, "kv_peak_bytes": 0, "kv_naive_bytes": 0} for cache in CACHES}
+    totals = {
+        cache: {"tokens": 0, "seconds": 0.0, "cpu_seconds": 0.0, "kv_peak_bytes": 0, "kv_naive_bytes": 0}
+        for cache in CACHES
+    }
     for i, prompt in enumerate(prompts):
         # alternate which cache goes first, so neither always runs on a warmer machine
         for cache in CACHES if i % 2 == 0 else CACHES[::-1]:
             target.kv_cache = draft.kv_cache = cache
+            cpu = time.process_time()
             result = program.run(prompt, Schedule(particles, max_tokens=max_tokens), seed=seed + i)
             total = totals[cache]
+            total["cpu_seconds"] += time.process_time() - cpu
             total["tokens"] += len(result.tokens)
             total["seconds"] += result.seconds
             total["kv_peak_bytes"] = max(total["kv_peak_bytes"], result.kv["peak_bytes"])
@@ -47,6 +54,7 @@ def measure(target, draft, particles: int, draft_len: int, prompts, max_tokens: 
         "draft_len": draft_len,
         **totals,
         "paged_over_copy": totals["paged"]["tokens_per_second"] / totals["copy"]["tokens_per_second"],
+        "paged_over_copy_cpu": totals["copy"]["cpu_seconds"] / totals["paged"]["cpu_seconds"],
     }
 
 
