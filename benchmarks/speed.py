@@ -4,11 +4,12 @@ For every configuration in CONFIGS (edit or extend the list; `--grid` swaps in a
 grid) each prompt is decoded once with a fixed seed. Reported per configuration:
 - tokens_per_second: generated tokens of the returned text / wall seconds (model load excluded);
 - target_passes_per_token: target forwards, the prompt's included, per generated token;
-- speedup_vs_ar: tokens_per_second / that of "ar" measured in the same run.
+- speedup_vs_ar: tokens_per_second / that of "ar" measured in the same run;
+- mean_target_logprob (and its standard error): fidelity, the mean over generated tokens of
+  log p_T(x_t | x_<t) at T = 1; logprob_ratio_vs_ar: that mean / ar's (1.03 = 3% lower).
 
-On this project's CPU verification is not free (a [8, 5] forward costs about 3x a [1, 1] one)
-and the default draft is nearly as costly as the target, so CPU ratios show costs as measured;
-they are not GPU predictions (see gpu.py).
+On this project's CPU verification is not free (a [8, 5] forward costs about 3x a [1, 1] one),
+so CPU ratios show costs as measured; they are not GPU predictions (see gpu.py).
 
 Usage: python benchmarks/speed.py [--max-tokens 32] [--prompts 2] [--grid] [--draft DIR]
 """
@@ -51,11 +52,14 @@ class Config:
 
 CONFIGS = [
     Config("ar"),
+    Config("sd", draft_len=1),
     Config("sd", draft_len=2),
     Config("sd", draft_len=4),
     Config("smc-sd", particles=2, draft_len=2),
+    Config("smc-sd", particles=2, draft_len=4),
     Config("smc-sd", particles=4, draft_len=2),
     Config("smc-sd", particles=4, draft_len=4),
+    Config("smc-sd", particles=4, draft_len=6),
     Config("smc-sd", particles=8, draft_len=4),
 ]
 
