@@ -25,6 +25,7 @@ Usage: python benchmarks/kv_memory.py [--json] [--mode dry|real] [--new-tokens 5
 from __future__ import annotations
 
 import argparse
+import pathlib
 import time
 
 import torch
@@ -33,6 +34,7 @@ from _common import emit
 from smc_sd.backends.base import LanguageModel, Sequences, Vocabulary
 
 CONFIGS = [(8, 8), (16, 8)]
+README = pathlib.Path(__file__).resolve().parent.parent / "README.md"
 
 
 class BigramLM(LanguageModel):
@@ -161,8 +163,12 @@ def main(argv=None) -> dict:
         target, draft = dry_models(args.block_size, args)
     else:
         target, draft = real_models(args.block_size)
-    vocab = target.vocabulary.size
-    prompt = torch.randint(0, vocab - 1, (args.prompt_tokens,), generator=torch.Generator().manual_seed(args.seed)).tolist()
+    if args.mode == "dry":
+        generator = torch.Generator().manual_seed(args.seed)
+        prompt = torch.randint(0, target.vocabulary.size - 1, (args.prompt_tokens,), generator=generator).tolist()
+    else:
+        # natural text for the real model: the opening of this project's README
+        prompt = target.tokenizer.encode(README.read_text(), add_special_tokens=False)[: args.prompt_tokens]
     started = time.perf_counter()
     configs = [measure(target, draft, n, k, prompt, args.new_tokens, args.seed) for n, k in CONFIGS]
     data = {

@@ -35,17 +35,17 @@ class PagedLayer(CacheLayerMixin):
         store: the model's KV store.
         layer: this layer's index in the store.
         past: S, positions already cached per row.
-        write_slots: [B, L] int64 slots of the appended positions.
-        read_slots: [B, S + L] int64 slots of every position.
+        write_rows: [B, H, L] int64 store rows (`KVStore.head_rows`) of the appended positions.
+        read_rows: [B, H, S + L] int64 store rows of every position.
     """
 
     is_compileable = False
     is_sliding = False
 
-    def __init__(self, store: KVStore, layer: int, past: int, write_slots, read_slots):
+    def __init__(self, store: KVStore, layer: int, past: int, write_rows, read_rows):
         super().__init__()
         self.store, self.layer, self.past = store, layer, past
-        self.write_slots, self.read_slots = write_slots, read_slots
+        self.write_rows, self.read_rows = write_rows, read_rows
         self.is_initialized = True
 
     def lazy_initialization(self, key_states, value_states) -> None:
@@ -53,8 +53,8 @@ class PagedLayer(CacheLayerMixin):
 
     def update(self, key_states, value_states, *args, **kwargs):
         """Write the new KV [B, H, L, D]; return every position's KV [B, H, S + L, D]."""
-        self.store.write(self.layer, self.write_slots, key_states, value_states)
-        return self.store.read(self.layer, self.read_slots)
+        self.store.write(self.layer, self.write_rows, key_states, value_states)
+        return self.store.read(self.layer, self.read_rows)
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self.past + query_length, 0
@@ -67,9 +67,17 @@ class PagedLayer(CacheLayerMixin):
 
 
 def paged_cache(store: KVStore, past: int, write_slots, read_slots) -> Cache:
-    """A transformers Cache whose every layer reads and writes the store through the slots."""
+    """A transformers Cache whose every layer reads and writes the store through the slots.
+
+    Args:
+        past: S, positions already cached per row.
+        write_slots: [B, L] int64 slots of the appended positions, on the store's device.
+        read_slots: [B, S + L] int64 slots of every position.
+    """
+    # computed once for all layers: every layer's tensors share one layout
+    write_rows, read_rows = store.head_rows(write_slots), store.head_rows(read_slots)
     return Cache(
-        layers=[PagedLayer(store, layer, past, write_slots, read_slots) for layer in range(len(store.keys))]
+        layers=[PagedLayer(store, layer, past, write_rows, read_rows) for layer in range(len(store.keys))]
     )
 
 

@@ -66,42 +66,46 @@ class KVStore:
             for layer in tensors:
                 layer.index_copy_(1, target, layer.index_select(1, source))
 
-    def write(self, layer: int, slots: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
-        """Store new positions' KV.
+    def head_rows(self, slots: torch.Tensor) -> torch.Tensor:
+        """Where slots live in a layer's [H · P · block_size, D] view, for every head.
 
-        Args:
-            slots: [B, L] int64 distinct flat slots on the store's device.
-            keys, values: [B, H, L, D], as a transformers attention layer produces them.
-        """
-        index = self._head_slots(slots)
-        head_dim = self._shape[1]
-        # [H · P · block_size, D] views of the layer; rows (h, slot) in [B, H, L] order
-        self.keys[layer].view(-1, head_dim).index_copy_(0, index, keys.reshape(-1, head_dim))
-        self.values[layer].view(-1, head_dim).index_copy_(0, index, values.reshape(-1, head_dim))
-
-    def read(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Gather the KV of every row's positions into contiguous rows.
+        Valid until the capacity next grows; compute once per forward and reuse for every layer.
 
         Args:
             slots: [B, S] int64 flat slots on the store's device.
 
         Returns:
-            keys, values: [B, H, S, D] contiguous.
+            [B, H, S] int64, entry (b, h, s) = h · P · block_size + slots[b, s].
         """
-        batch, length = slots.shape
-        heads, head_dim = self._shape
-        index = self._head_slots(slots)
-        keys = self.keys[layer].view(-1, head_dim).index_select(0, index)
-        values = self.values[layer].view(-1, head_dim).index_select(0, index)
-        # [B · H · S, D] -> [B, H, S, D]
-        return keys.view(batch, heads, length, head_dim), values.view(batch, heads, length, head_dim)
-
-    def _head_slots(self, slots: torch.Tensor) -> torch.Tensor:
-        """[B · H · S] int64 rows h · P · block_size + slot of a layer's [H · P · block_size, D] view,
-        in [B, H, S] order, for slots [B, S]."""
         heads = torch.arange(self._shape[0], device=slots.device) * (self.capacity * self.block_size)
         # [B, 1, S] + [1, H, 1] -> [B, H, S]
-        return (slots[:, None, :] + heads[None, :, None]).reshape(-1)
+        return slots[:, None, :] + heads[None, :, None]
+
+    def write(self, layer: int, rows: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Store new positions' KV.
+
+        Args:
+            rows: [B, H, L] int64 `head_rows` of the new positions' (distinct) slots.
+            keys, values: [B, H, L, D], as a transformers attention layer produces them.
+        """
+        index, head_dim = rows.reshape(-1), self._shape[1]
+        self.keys[layer].view(-1, head_dim).index_copy_(0, index, keys.reshape(-1, head_dim))
+        self.values[layer].view(-1, head_dim).index_copy_(0, index, values.reshape(-1, head_dim))
+
+    def read(self, layer: int, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Gather the KV of every row's positions into contiguous rows.
+
+        Args:
+            rows: [B, H, S] int64 `head_rows` of every position's slot.
+
+        Returns:
+            keys, values: [B, H, S, D] contiguous.
+        """
+        index, head_dim = rows.reshape(-1), self._shape[1]
+        # [B · H · S, D] -> [B, H, S, D]
+        keys = self.keys[layer].view(-1, head_dim).index_select(0, index).view(*rows.shape, head_dim)
+        values = self.values[layer].view(-1, head_dim).index_select(0, index).view(*rows.shape, head_dim)
+        return keys, values
 
     def _empty(self, slots: int) -> torch.Tensor:
         return torch.zeros(self._shape[0], slots, self._shape[1], dtype=self._dtype, device=self._device)
