@@ -6,19 +6,22 @@ grid) each prompt is decoded once with a fixed seed. Reported per configuration:
 - target_passes_per_token: target forwards, the prompt's included, per generated token;
 - speedup_vs_ar: tokens_per_second / that of "ar" measured in the same run;
 - mean_target_logprob (and its standard error): fidelity, the mean over generated tokens of
-  log p_T(x_t | x_<t) at T = 1; logprob_ratio_vs_ar: that mean / ar's (1.03 = 3% lower).
+  log p_T(x_t | x_<t) at T = 1; logprob_ratio_vs_ar: that mean / ar's (1.03 = 3% lower);
+- kv_peak_bytes: the KV cache's peak (target and draft); with --kv-compare every smc-sd
+  configuration also runs with per-particle KV copies (kv_cache "copy") and its shared-cache
+  row gets paged_over_copy = its tokens/s / the copy twin's.
 
 On this project's CPU verification is not free (a [8, 5] forward costs about 3x a [1, 1] one),
 so CPU ratios show costs as measured; they are not GPU predictions (see gpu.py).
 
-Usage: python benchmarks/speed.py [--max-tokens 32] [--prompts 2] [--grid] [--draft DIR]
+Usage: python benchmarks/speed.py [--max-tokens 32] [--prompts 2] [--grid] [--draft DIR] [--kv-compare]
 """
 
 from __future__ import annotations
 
 import argparse
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 from _common import build_program, emit, environment, load_default_models, mean_stderr, pyplot, save_figure
 
@@ -38,6 +41,8 @@ class Config:
     particles: int = 1
     draft_len: int = 0
     options: dict = field(default_factory=dict)
+    # the hf backend's KV cache: "paged" (shared by particles) or "copy" (one per particle)
+    kv_cache: str = "paged"
 
     @property
     def label(self) -> str:
@@ -47,6 +52,8 @@ class Config:
         if self.method == "smc-sd":
             parts.append(f"N={self.particles}")
         parts += [f"{k}={v}" for k, v in sorted(self.options.items())]
+        if self.kv_cache != "paged":
+            parts.append(f"kv={self.kv_cache}")
         return " ".join(parts)
 
 
@@ -94,7 +101,10 @@ def measure(config: Config, target, draft, prompts: list[list[int]], max_tokens:
 
     options = {"draft_len": config.draft_len, **config.options} if config.draft_len else dict(config.options)
     program = build_program(config.method, target, draft, **options)
-    tokens = seconds = target_passes = draft_passes = resamples = 0
+    for lm in (target, draft):
+        if hasattr(lm, "kv_cache"):
+            lm.kv_cache = config.kv_cache
+    tokens = seconds = target_passes = draft_passes = resamples = kv_peak = 0
     logprobs = []
     for i, prompt in enumerate(prompts):
         result = program.run(prompt, Schedule(config.particles, max_tokens=max_tokens), seed=seed + i)
@@ -105,6 +115,7 @@ def measure(config: Config, target, draft, prompts: list[list[int]], max_tokens:
         target_passes += result.target_passes + 1
         draft_passes += result.draft_passes
         resamples += result.resamples
+        kv_peak = max(kv_peak, result.kv["peak_bytes"] if result.kv else 0)
     return {
         "label": config.label,
         **asdict(config),
@@ -114,6 +125,7 @@ def measure(config: Config, target, draft, prompts: list[list[int]], max_tokens:
         "target_passes_per_token": target_passes / tokens,
         "draft_passes_per_token": draft_passes / tokens,
         "resamples": resamples,
+        "kv_peak_bytes": kv_peak,
         "mean_target_logprob": mean_stderr(logprobs)[0],
         "mean_target_logprob_stderr": mean_stderr(logprobs)[1],
     }
@@ -149,6 +161,10 @@ def main(argv=None) -> dict:
         "--backend", choices=["hf", "vllm"], default="hf",
         help="vllm: one vLLM engine per model (needs the vLLM environment; the draft is the target without layer 5)",
     )
+    parser.add_argument(
+        "--kv-compare", action="store_true",
+        help="hf backend: also run every smc-sd configuration with per-particle KV copies",
+    )
     args = parser.parse_args(argv)
 
     from smc_sd.backends.hf import chat_prompt
@@ -165,7 +181,13 @@ def main(argv=None) -> dict:
     build_program("ar", target, draft).run(prompts[0], __import__("smc_sd").Schedule(1, max_tokens=4))
 
     started = time.perf_counter()
-    rows = [measure(c, target, draft, prompts, args.max_tokens, args.seed) for c in (grid() if args.grid else CONFIGS)]
+    configs = grid() if args.grid else CONFIGS
+    if args.kv_compare and args.backend == "hf":
+        configs = configs + [replace(c, kv_cache="copy") for c in configs if c.method == "smc-sd"]
+    rows = [measure(c, target, draft, prompts, args.max_tokens, args.seed) for c in configs]
+    for copy in (r for r in rows if r["kv_cache"] == "copy"):
+        twin = next(r for r in rows if r["label"] == copy["label"].removesuffix(" kv=copy"))
+        twin["paged_over_copy"] = twin["tokens_per_second"] / copy["tokens_per_second"]
     ar = next(r["tokens_per_second"] for r in rows if r["method"] == "ar")
     ar_logprob = next(r["mean_target_logprob"] for r in rows if r["method"] == "ar")
     for r in rows:
