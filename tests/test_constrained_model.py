@@ -24,7 +24,9 @@ PROMPT = "Answer with JSON only: a person, a color or a list of numbers."
 def test_constrained_smc_sd_output_validates(default_lm, default_draft, name):
     schema = SCHEMAS[name]
     program = constrained.program(default_lm, default_draft, json_schema=schema, draft_len=3)
-    result = program.run(chat_prompt(default_lm.tokenizer, PROMPT), Schedule(3, max_tokens=24), seed=0)
+    # 40 tokens: with the distilled default draft the array's numbers run to many digit tokens
+    # (24 left every particle unfinished at seed 0)
+    result = program.run(chat_prompt(default_lm.tokenizer, PROMPT), Schedule(3, max_tokens=40), seed=0)
     finished = [i for i, done in enumerate(result.finished) if done]
     assert finished, "no particle finished within the token budget"
     for i in finished:
