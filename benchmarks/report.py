@@ -105,10 +105,18 @@ def fidelity_section(data: dict) -> list[str]:
 def accuracy_section(data: dict) -> list[str]:
     rows = [[r["label"], f"{100 * r['accuracy']:.1f}%", f"{100 * r['ci95'][0]:.1f}-{100 * r['ci95'][1]:.1f}%",
              f"{r['correct']}/{r['items']}", f"{r['seconds_per_item']:.2f}"] for r in data["rows"]]
+    timing = ""
+    if "merged_from" in data:
+        timing = (f"The settings ran as {len(data['merged_from'])} parallel processes on the shared CPU, so "
+                  "seconds per item are rough (the load changed as parts finished).")
     return [
         "### Accuracy", "",
-        f"Task: {data['task']}; {data['model']}; draft: {data['draft']}. " + measured(data), "",
+        f"Task: {data['task']}; {data['model']}; draft: {data['draft']}. " + measured(data) + " " + timing, "",
         *table(["method", "accuracy", "95% interval (Wilson)", "correct", "seconds / item"], rows), "",
+        "ar and sd sample p_T exactly, so they should agree (up to sampling noise). smc-sd with alpha = 1 "
+        "targets the same p_T but is biased at finite N toward its draft's distribution, so where it "
+        "departs from ar at small N that is the bias, which shrinks as N grows; alpha > 1 changes the "
+        "target itself (p_T^alpha, which concentrates on likely answers).", "",
         "![accuracy](benchmarks/results/accuracy.png)", "",
     ]
 
