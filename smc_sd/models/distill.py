@@ -182,7 +182,7 @@ def train(student, samples, compact, eos, epochs, batch, lr, seed, log_every=10)
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description="distil the default draft from SmolLM2-135M-Instruct")
-    parser.add_argument("--prompts", type=int, default=960, help="generated training prompts")
+    parser.add_argument("--prompts", type=int, default=512, help="generated training prompts")
     parser.add_argument("--max-new-tokens", type=int, default=128, help="reply length cap")
     parser.add_argument("--gen-batch", type=int, default=64, help="prompts per generate call")
     parser.add_argument("--top-k", type=int, default=64, help="target probabilities kept per position")
