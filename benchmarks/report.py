@@ -107,16 +107,17 @@ def accuracy_section(data: dict) -> list[str]:
              f"{r['correct']}/{r['items']}", f"{r['seconds_per_item']:.2f}"] for r in data["rows"]]
     timing = ""
     if "merged_from" in data:
-        timing = (f"The settings ran as {len(data['merged_from'])} parallel processes on the shared CPU, so "
-                  "seconds per item are rough (the load changed as parts finished).")
+        timing = (f"The settings ran as {len(data['merged_from'])} separate processes, partly at the same "
+                  "time, on the shared CPU, so seconds per item are rough (the load differed between them).")
     return [
         "### Accuracy", "",
         f"Task: {data['task']}; {data['model']}; draft: {data['draft']}. " + measured(data) + " " + timing, "",
         *table(["method", "accuracy", "95% interval (Wilson)", "correct", "seconds / item"], rows), "",
         "ar and sd sample p_T exactly, so they should agree (up to sampling noise). smc-sd with alpha = 1 "
-        "targets the same p_T but is biased at finite N toward its draft's distribution, so where it "
-        "departs from ar at small N that is the bias, which shrinks as N grows; alpha > 1 changes the "
-        "target itself (p_T^alpha, which concentrates on likely answers).", "",
+        "targets the same p_T but is biased at finite N toward its draft's distribution (the reference "
+        "row samples the draft alone), so where it departs from ar at small N that is the bias, which "
+        "shrinks as N grows; alpha > 1 changes the target itself (p_T^alpha, which concentrates on "
+        "likely answers).", "",
         "![accuracy](benchmarks/results/accuracy.png)", "",
     ]
 
