@@ -196,6 +196,7 @@ def main(argv=None) -> dict:
     if not args.skip_lm:
         target, draft = load_default_models(args.draft)
         lm = lm_fidelity(target, draft, args.lm_prompts, args.lm_seeds, args.lm_max_tokens)
+        lm["draft"] = args.draft or "the default draft (HFLanguageModel.default_draft())"
     data = {"benchmark": "fidelity", "environment": environment(), "toy": toy, "lm": lm,
             "wall_seconds": time.perf_counter() - started}
     if not args.no_write:

@@ -95,7 +95,8 @@ def fidelity_section(data: dict) -> list[str]:
             lm_rows.append([label, f"{r['mean_logprob_per_token']:.3f}", f"{r['stderr']:.3f}", r["outputs"]])
         lines += [
             f"Default model: each method's outputs ({lm['prompts']} prompts x {lm['seeds']} seeds, up to "
-            f"{lm['max_tokens']} tokens) scored by the target at T = 1.", "",
+            f"{lm['max_tokens']} tokens) scored by the target at T = 1"
+            + (f"; draft: {lm['draft']}." if "draft" in lm else "."), "",
             *table(["method", "mean log p_T per token (nats)", "standard error", "outputs"], lm_rows), "",
             "![fidelity on the default model](benchmarks/results/fidelity_lm.png)", "",
         ]
