@@ -144,7 +144,7 @@ def main(argv=None) -> dict:
         "benchmark": "accuracy",
         "task": "single-digit addition, 4-shot raw completion, exact match of the first integer",
         "model": "SmolLM2-135M-Instruct (fp32, CPU), T = 1",
-        "draft": args.draft or "default draft (target without decoder layer 5)",
+        "draft": args.draft or "the default draft (HFLanguageModel.default_draft())",
         "items": args.items,
         "max_tokens": args.max_tokens,
         "environment": environment(),
