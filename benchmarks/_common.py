@@ -23,7 +23,8 @@ RESULTS = pathlib.Path(__file__).resolve().parent / "results"
 
 
 def load_default_models(draft_dir: str | None = None):
-    """(target, draft): the embedded default model and the default draft (or a local draft dir)."""
+    """(target, draft): the embedded default model and the default draft, the shipped distilled
+    draft ("distilled") or a local draft directory."""
     from smc_sd.backends.hf import HFLanguageModel
     from smc_sd.models.draft import is_draft_dir, load_draft
     from smc_sd.models.smollm2 import default_model_dir
@@ -31,6 +32,8 @@ def load_default_models(draft_dir: str | None = None):
     target = HFLanguageModel.default()
     if draft_dir is None:
         return target, HFLanguageModel.default_draft()
+    if draft_dir == "distilled":
+        return target, HFLanguageModel.distilled_draft()
     if is_draft_dir(draft_dir):
         return target, load_draft(default_model_dir(), draft_dir)
     return target, HFLanguageModel.from_pretrained(draft_dir)

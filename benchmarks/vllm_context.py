@@ -90,11 +90,9 @@ def main(argv=None) -> dict:
     backends = [("vllm", program, (target, draft))]
     if args.hf:
         from smc_sd.backends.hf import HFLanguageModel
-        from smc_sd.backends.vllm import SELF_DRAFT_DROPPED_LAYERS
-        from smc_sd.models.smollm2 import default_model_dir
 
         hf_target = HFLanguageModel.default()
-        hf_draft = HFLanguageModel.from_pretrained(default_model_dir(), drop_layers=SELF_DRAFT_DROPPED_LAYERS)
+        hf_draft = HFLanguageModel.default_draft()
         backends.append(("hf", get("smc-sd").program(hf_target, hf_draft, draft_len=args.draft_len), ()))
 
     rows = []

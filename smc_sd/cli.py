@@ -35,7 +35,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--resampling", default="systematic", help="systematic, multinomial, stratified or residual")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--target", default=None, help="local transformers model directory (default: SmolLM2-135M-Instruct)")
-    g.add_argument("--draft", default=None, help="local model directory sharing the target's tokenizer, or a distilled draft saved by smc_sd.models.distill")
+    g.add_argument("--draft", default=None, help="local model directory sharing the target's tokenizer, a draft saved by smc_sd.models.distill, or 'distilled' for the shipped distilled draft (default: the target without decoder layer 5)")
     g.add_argument("--device", default="cpu", help="cpu or cuda")
     g.add_argument("--backend", choices=["hf", "vllm"], default="hf", help="transformers (hf) or a vLLM engine per model")
     g.add_argument("--tensor-parallel-size", type=int, default=1, help="vllm: GPUs each model is split over")
@@ -64,6 +64,8 @@ def load_models(args):
         target = HFLanguageModel.from_pretrained(args.target, device=args.device)
     if args.method == "ar":
         return target, None
+    if args.draft == "distilled":
+        return target, HFLanguageModel.distilled_draft(args.device)
     if args.draft is not None and is_draft_dir(args.draft):
         return target, load_draft(args.target or default_model_dir(), args.draft, device=args.device)
     if args.draft is not None:

@@ -32,46 +32,53 @@ def test_shipped_files_are_small_and_self_contained():
     assert size < 40e6
 
 
-def test_default_draft_is_the_distilled_one(default_lm, default_draft):
-    assert isinstance(default_draft, RestrictedVocabLM)
-    check_same_vocabulary(default_draft, default_lm)
-    assert default_draft.vocabulary.fingerprint == default_lm.vocabulary.fingerprint
+@pytest.fixture(scope="module")
+def distilled_draft():
+    from smc_sd.backends.hf import HFLanguageModel
+
+    return HFLanguageModel.distilled_draft()
+
+
+def test_distilled_draft_is_restricted_and_pairs_with_the_target(default_lm, distilled_draft):
+    assert isinstance(distilled_draft, RestrictedVocabLM)
+    check_same_vocabulary(distilled_draft, default_lm)
+    assert distilled_draft.vocabulary.fingerprint == default_lm.vocabulary.fingerprint
     # the draft's own weights (its layers and restricted head) are under a fifth of the
     # target's non-embedding weights
-    own = sum(p.numel() for n, p in default_draft.model.named_parameters() if "embed_tokens" not in n)
+    own = sum(p.numel() for n, p in distilled_draft.model.named_parameters() if "embed_tokens" not in n)
     target = sum(p.numel() for n, p in default_lm.model.named_parameters() if "embed_tokens" not in n)
     assert own < target / 5
 
 
-def test_draft_obeys_the_laws(default_draft, prompt):
-    reply = default_draft.tokenizer.encode("The lighthouse keeper lit the lamp at dusk.")
+def test_draft_obeys_the_laws(distilled_draft, prompt):
+    reply = distilled_draft.tokenizer.encode("The lighthouse keeper lit the lamp at dusk.")
     # [2, 6] natural text, the second row shifted by one token so rows differ
     rows = torch.tensor([reply[:6], reply[1:7]])
-    testing.assert_extend_matches_full_forward(default_draft, prompt, rows[:1], ATOL)
-    testing.assert_select_consistent(default_draft, prompt, rows, torch.tensor([1, 0, 1]), ATOL)
-    testing.assert_truncate_consistent(default_draft, prompt, rows, 2, ATOL)
+    testing.assert_extend_matches_full_forward(distilled_draft, prompt, rows[:1], ATOL)
+    testing.assert_select_consistent(distilled_draft, prompt, rows, torch.tensor([1, 0, 1]), ATOL)
+    testing.assert_truncate_consistent(distilled_draft, prompt, rows, 2, ATOL)
 
 
 @pytest.mark.parametrize("temperature", [0.5, 1.0, 10.0])
-def test_q_is_exactly_zero_off_the_draft_vocabulary(default_draft, prompt, temperature):
-    _, logits = default_draft.open(prompt, 1)
+def test_q_is_exactly_zero_off_the_draft_vocabulary(distilled_draft, prompt, temperature):
+    _, logits = distilled_draft.open(prompt, 1)
     q = torch.softmax(logits / temperature, dim=-1)
     off = torch.ones_like(q, dtype=torch.bool)
-    off[default_draft.vocab_ids] = False
-    assert int(off.sum()) == q.numel() - len(default_draft.vocab_ids)
+    off[distilled_draft.vocab_ids] = False
+    assert int(off.sum()) == q.numel() - len(distilled_draft.vocab_ids)
     assert torch.all(q[off] == 0)
     assert torch.all(q[~off] > 0)
     assert abs(q.sum().item() - 1) < 1e-5
 
 
-def test_acceptance_on_heldout_prompts(default_lm, default_draft):
+def test_acceptance_on_heldout_prompts(default_lm, distilled_draft):
     """Mean sum_v min(p, q) along target samples (T = 1, seeded) of two held-out prompts."""
     generator = torch.Generator().manual_seed(0)
     accept = []
     for text in HELDOUT.read_text().splitlines()[1:3]:
         prompt = chat_prompt(default_lm.tokenizer, text)
         target_rows, p_logits = default_lm.open(prompt, 1)
-        draft_rows, q_logits = default_draft.open(prompt, 1)
+        draft_rows, q_logits = distilled_draft.open(prompt, 1)
         for _ in range(16):
             p = torch.softmax(p_logits, -1)
             accept.append(torch.minimum(p, torch.softmax(q_logits, -1)).sum().item())

