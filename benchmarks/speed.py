@@ -153,7 +153,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--max-tokens", type=int, default=32, help="new tokens per prompt")
     parser.add_argument("--prompts", type=int, default=2, help=f"how many of the {len(PROMPTS)} prompts")
     parser.add_argument("--grid", action="store_true", help="N in 1..16 x K in 1..8 instead of CONFIGS")
-    parser.add_argument("--draft", default=None, help="a local draft model directory (default: the default draft)")
+    parser.add_argument("--draft", default=None, help="'distilled' (the shipped distilled draft) or a local draft model directory (default: the default draft)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-write", action="store_true", help="print JSON only; write no files")
     parser.add_argument("--json", dest="no_write", action="store_true", help="the same as --no-write")

@@ -44,7 +44,8 @@ def test_cli_json_contract(capsys):
                 "particles", "draft_len", "resamples", "ess", "log_z"]:
         assert key in out, key
     assert out["method"] == "smc-sd" and out["particles"] == 2 and out["draft_len"] == 2
-    assert len(out["ess"]) == out["target_passes"] <= math.ceil((7 - 1) / 3)
+    assert len(out["ess"]) == out["target_passes"] == math.ceil((out["positions"] - 1) / 3)
+    assert out["new_tokens"] <= out["positions"] <= 7
     again = main(["generate", "--method", "smc-sd", "--particles", "2", "--draft-len", "2",
                   "--max-new-tokens", "7", "--seed", "3", "--json", QUESTION])
     assert again == 0 and json.loads(capsys.readouterr().out)["text"] == out["text"]

@@ -95,6 +95,16 @@ class Result:
         return effective_sample_size(self.log_weights)
 
     @property
+    def positions(self) -> int:
+        """Positions every particle slot advanced: the first token plus each cycle's tokens.
+
+        Particles run in lockstep until all have finished, so a returned particle that ended
+        early still cost the passes of the longest one: target_passes = ceil((positions - 1) /
+        (K + 1)) for SMC-SD.
+        """
+        return 1 + sum(c.tokens for c in self.cycles)
+
+    @property
     def resamples(self) -> int:
         """Number of cycles that resampled."""
         return sum(c.resampled for c in self.cycles)
@@ -133,6 +143,7 @@ class Result:
             "method": self.method,
             "text": self.text,
             "new_tokens": len(self.tokens),
+            "positions": self.positions,
             "seconds": self.seconds,
             "tokens_per_second": self.tokens_per_second,
             "target_passes": self.target_passes,
