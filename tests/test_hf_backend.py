@@ -8,7 +8,7 @@ import torch
 
 from smc_sd import testing
 from smc_sd.backends.base import TokenizerMismatchError, check_same_vocabulary
-from smc_sd.backends.hf import HFLanguageModel, chat_prompt
+from smc_sd.backends.hf import chat_prompt
 
 pytestmark = pytest.mark.model
 

@@ -95,6 +95,21 @@ class Sequences(abc.ABC):
         return None
 
 
+def check_open(prompt: list[int], batch_size: int, max_length: int) -> None:
+    """Refuse an `open` with an empty prompt, B < 1 or a prompt longer than the context.
+
+    Raises:
+        ValueError: on an empty prompt or B < 1.
+        ContextOverflowError: if the prompt is longer than `max_length`.
+    """
+    if len(prompt) == 0:
+        raise ValueError("the prompt must hold at least one token")
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be at least 1, got {batch_size}")
+    if len(prompt) > max_length:
+        raise ContextOverflowError(f"the prompt has {len(prompt)} tokens; the model attends over {max_length}")
+
+
 def check_extend(tokens: torch.Tensor, batch_size: int, length: int, max_length: int) -> None:
     """Refuse an `extend` argument that is not [B, L >= 1] integer ids fitting the context.
 

@@ -28,11 +28,11 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
 from smc_sd.backends.base import (
-    ContextOverflowError,
     LanguageModel,
     Sequences,
     Vocabulary,
     check_extend,
+    check_open,
     check_rows,
     check_truncate,
 )
@@ -150,14 +150,7 @@ class HFLanguageModel(LanguageModel):
             ValueError: on an empty prompt or B < 1.
             ContextOverflowError: if the prompt is longer than `max_length`.
         """
-        if len(prompt) == 0:
-            raise ValueError("the prompt must hold at least one token")
-        if batch_size < 1:
-            raise ValueError(f"batch_size must be at least 1, got {batch_size}")
-        if len(prompt) > self.max_length:
-            raise ContextOverflowError(
-                f"the prompt has {len(prompt)} tokens; the model attends over {self.max_length}"
-            )
+        check_open(prompt, batch_size, self.max_length)
         if self.kv_cache == "paged":
             if self._paged is None:
                 self._paged = PagedKV(self.model.config, self.model.dtype, self.device, self.block_size)

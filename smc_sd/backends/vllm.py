@@ -30,13 +30,12 @@ import json
 import os
 import pathlib
 import shutil
-import tempfile
 from dataclasses import asdict, dataclass, field
 
 import torch
 
 from smc_sd.backends import vllm_capture
-from smc_sd.backends.base import ContextOverflowError, LanguageModel, Sequences, Vocabulary
+from smc_sd.backends.base import ContextOverflowError, LanguageModel, Sequences, Vocabulary, check_open
 
 
 
@@ -160,14 +159,7 @@ class VLLMLanguageModel(LanguageModel):
         Returns:
             The rows and the next-token logits after the prompt, [V] float32.
         """
-        if len(prompt) == 0:
-            raise ValueError("the prompt must hold at least one token")
-        if batch_size < 1:
-            raise ValueError(f"batch_size must be at least 1, got {batch_size}")
-        if len(prompt) > self.max_length:
-            raise ContextOverflowError(
-                f"the prompt has {len(prompt)} tokens; the model attends over {self.max_length}"
-            )
+        check_open(prompt, batch_size, self.max_length)
         prompt = [int(token) for token in prompt]
         logits = self.logits_after([prompt], 1)
         rows = VLLMSequences(self, [list(prompt) for _ in range(batch_size)])
@@ -301,6 +293,8 @@ def dropped_layers_dir(source, layers) -> pathlib.Path:
     """
     from safetensors.torch import load_file, save_file
 
+    from smc_sd.models.smollm2 import write_directory_atomically
+
     source = pathlib.Path(source)
     dropped = sorted(set(layers))
     target = source.parent / f"{source.name}-drop-{'-'.join(map(str, dropped))}"
@@ -310,8 +304,8 @@ def dropped_layers_dir(source, layers) -> pathlib.Path:
     count = config["num_hidden_layers"]
     kept = [index for index in range(count) if index not in dropped]
     renumber = {old: new for new, old in enumerate(kept)}
-    scratch = pathlib.Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=source.parent))
-    try:
+
+    def fill(scratch: pathlib.Path) -> None:
         for path in source.iterdir():
             if path.suffix != ".safetensors" and path.is_file():
                 shutil.copy(path, scratch / path.name)
@@ -331,12 +325,5 @@ def dropped_layers_dir(source, layers) -> pathlib.Path:
             config["layer_types"] = [kind for index, kind in enumerate(config["layer_types"]) if index not in dropped]
         (scratch / "config.json").write_text(json.dumps(config, indent=2))
         (scratch / "model.safetensors.index.json").unlink(missing_ok=True)
-        scratch.chmod(0o755)
-        try:
-            scratch.rename(target)
-        except OSError:
-            if not target.is_dir():
-                raise
-    finally:
-        shutil.rmtree(scratch, ignore_errors=True)
-    return target
+
+    return write_directory_atomically(target, fill)

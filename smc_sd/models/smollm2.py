@@ -74,15 +74,29 @@ def default_model_dir() -> pathlib.Path:
     source = gguf_path()
     target.parent.mkdir(parents=True, exist_ok=True)
     print(f"smc-sd: converting {source.name} to {target} once (about 35 s)", file=sys.stderr)
-    scratch = pathlib.Path(tempfile.mkdtemp(prefix=f".{MODEL_NAME}-", dir=target.parent))
-    # mkdtemp creates a private (0700) directory; the converted model is an ordinary cache entry.
+    return write_directory_atomically(target, lambda scratch: _convert(source, scratch))
+
+
+def write_directory_atomically(target: pathlib.Path, fill) -> pathlib.Path:
+    """Create directory `target` by `fill(scratch)` in a sibling temporary directory and a rename,
+    so an interrupted write never leaves a half-written directory behind.
+
+    Args:
+        target: the directory to create; its parent must exist.
+        fill: writes the directory's files into the path it is given.
+
+    Returns:
+        target (another process's copy if it finished the same work first).
+    """
+    scratch = pathlib.Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
+    # mkdtemp creates a private (0700) directory; the result is an ordinary cache entry.
     scratch.chmod(0o755)
     try:
-        _convert(source, scratch)
+        fill(scratch)
         try:
             scratch.rename(target)
         except OSError:
-            # Another process finished the same conversion first; keep its copy.
+            # Another process finished the same work first; keep its copy.
             if not target.is_dir():
                 raise
     finally:
