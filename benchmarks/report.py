@@ -103,15 +103,17 @@ def fidelity_section(data: dict) -> list[str]:
     return lines
 
 
-def accuracy_section(data: dict) -> list[str]:
+def accuracy_section(data: dict, name: str = "accuracy") -> list[str]:
+    """The accuracy table; results/accuracy_<x>.json are the same task measured with another draft."""
     rows = [[r["label"], f"{100 * r['accuracy']:.1f}%", f"{100 * r['ci95'][0]:.1f}-{100 * r['ci95'][1]:.1f}%",
              f"{r['correct']}/{r['items']}", f"{r['seconds_per_item']:.2f}"] for r in data["rows"]]
     timing = ""
     if "merged_from" in data:
         timing = (f"The settings ran as {len(data['merged_from'])} separate processes, partly at the same "
                   "time, on the shared CPU, so seconds per item are rough (the load differed between them).")
+    heading = "### Accuracy" if name == "accuracy" else "#### The same task with another draft"
     return [
-        "### Accuracy", "",
+        heading, "",
         f"Task: {data['task']}; {data['model']}; draft: {data['draft']}. " + measured(data) + " " + timing, "",
         *table(["method", "accuracy", "95% interval (Wilson)", "correct", "seconds / item"], rows), "",
         "ar and sd sample p_T exactly, so they should agree (up to sampling noise). smc-sd with alpha = 1 "
@@ -119,7 +121,7 @@ def accuracy_section(data: dict) -> list[str]:
         "row samples the draft alone), so where it departs from ar at small N that is the bias, which "
         "shrinks as N grows; alpha > 1 changes the target itself (p_T^alpha, which concentrates on "
         "likely answers).", "",
-        "![accuracy](benchmarks/results/accuracy.png)", "",
+        f"![accuracy](benchmarks/results/{name}.png)", "",
     ]
 
 
@@ -148,6 +150,8 @@ def render() -> str:
     for name, section in [("speed", speed_section), ("fidelity", fidelity_section), ("accuracy", accuracy_section)]:
         data = load(name)
         lines += section(data) if data else [f"### {name.capitalize()}", "", f"Not run yet: `python benchmarks/{name}.py`.", ""]
+    lines += [line for extra in sorted(RESULTS.glob("accuracy_*.json"))
+              for line in accuracy_section(json.loads(extra.read_text()), extra.stem)]
     lines += gpu_section(load("gpu"))
     return "\n".join(lines + [END])
 
