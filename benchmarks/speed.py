@@ -198,7 +198,7 @@ def main(argv=None) -> dict:
         "benchmark": "speed",
         "backend": args.backend,
         "model": "SmolLM2-135M-Instruct (fp32, CPU)",
-        "draft": args.draft or "default draft (distilled, smc_sd/models/smollm2_draft)",
+        "draft": args.draft or "default draft (the target without decoder layer 5)",
         "prompts": len(prompts),
         "max_tokens": args.max_tokens,
         "environment": environment(),
