@@ -55,6 +55,18 @@ def build_program(method: str, target, draft, **options):
     return module.program(target, **kept) if method == "ar" else module.program(target, draft, **kept)
 
 
+def setting_label(setting: dict) -> str:
+    """A short name for a measured setting: the method, then K, N and alpha where they apply."""
+    parts = [setting["method"]]
+    if "draft_len" in setting:
+        parts.append(f"K={setting['draft_len']}")
+    if setting["method"] == "smc-sd":
+        parts.append(f"N={setting['particles']}")
+    if setting.get("alpha", 1.0) != 1.0:
+        parts.append(f"alpha={setting['alpha']:g}")
+    return " ".join(parts)
+
+
 def mean_stderr(values: list[float]) -> tuple[float, float]:
     """Sample mean and its standard error s / sqrt(n) (nan for n < 2)."""
     n = len(values)

@@ -25,7 +25,7 @@ import random
 import re
 import time
 
-from _common import build_program, emit, environment, load_default_models, pyplot, save_figure, wilson_interval
+from _common import build_program, emit, environment, load_default_models, pyplot, save_figure, setting_label, wilson_interval
 
 SHOTS = "3 + 4 = 7\n8 + 1 = 9\n2 + 6 = 8\n5 + 5 = 10\n"
 
@@ -59,14 +59,7 @@ def is_correct(completion: str, a: int, b: int) -> bool:
 def label(setting: dict) -> str:
     if setting.get("lm") == "draft":
         return f"{setting['method']} on the draft (reference)"
-    parts = [setting["method"]]
-    if "draft_len" in setting:
-        parts.append(f"K={setting['draft_len']}")
-    if setting["method"] == "smc-sd":
-        parts.append(f"N={setting['particles']}")
-    if setting.get("alpha", 1.0) != 1.0:
-        parts.append(f"alpha={setting['alpha']:g}")
-    return " ".join(parts)
+    return setting_label(setting)
 
 
 def evaluate(setting: dict, target, draft, pairs, max_tokens: int, seed: int) -> dict:

@@ -25,7 +25,7 @@ import time
 
 import torch
 
-from _common import RESULTS, build_program, emit, environment, load_default_models, mean_stderr, pyplot, save_figure
+from _common import RESULTS, build_program, emit, environment, load_default_models, mean_stderr, pyplot, save_figure, setting_label
 
 PARTICLES = (1, 2, 4, 8, 16)
 DRAFT_LENS = (1, 2, 4)
@@ -152,7 +152,7 @@ def plot(toy: dict, lm: dict | None) -> list[str]:
     paths.append(save_figure(fig, "fidelity_toy"))
     if lm is not None:
         fig, ax = plt.subplots(figsize=(8, 0.5 * len(lm["rows"]) + 1.8))
-        labels = [fidelity_label(r) for r in lm["rows"]]
+        labels = [setting_label(r) for r in lm["rows"]]
         ax.errorbar([r["mean_logprob_per_token"] for r in lm["rows"]], labels,
                     xerr=[1.96 * r["stderr"] for r in lm["rows"]], fmt="o", capsize=4)
         ax.invert_yaxis()
@@ -162,17 +162,6 @@ def plot(toy: dict, lm: dict | None) -> list[str]:
         ax.grid(axis="x", alpha=0.3)
         paths.append(save_figure(fig, "fidelity_lm"))
     return paths
-
-
-def fidelity_label(row: dict) -> str:
-    parts = [row["method"]]
-    if "draft_len" in row:
-        parts.append(f"K={row['draft_len']}")
-    if row["method"] == "smc-sd":
-        parts.append(f"N={row['particles']}")
-    if row.get("alpha", 1.0) != 1.0:
-        parts.append(f"alpha={row['alpha']:g}")
-    return " ".join(parts)
 
 
 def main(argv=None) -> dict:

@@ -14,8 +14,9 @@ import json
 import pathlib
 import sys
 
+from _common import RESULTS, setting_label
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-RESULTS = ROOT / "benchmarks" / "results"
 START, END = "<!-- results:start -->", "<!-- results:end -->"
 
 
@@ -89,10 +90,7 @@ def fidelity_section(data: dict) -> list[str]:
     if lm:
         lm_rows = []
         for r in lm["rows"]:
-            label = r["method"] + (f" K={r['draft_len']}" if "draft_len" in r else "")
-            label += f" N={r['particles']}" if r["method"] == "smc-sd" else ""
-            label += f" alpha={r['alpha']:g}" if r.get("alpha", 1.0) != 1.0 else ""
-            lm_rows.append([label, f"{r['mean_logprob_per_token']:.3f}", f"{r['stderr']:.3f}", r["outputs"]])
+            lm_rows.append([setting_label(r), f"{r['mean_logprob_per_token']:.3f}", f"{r['stderr']:.3f}", r["outputs"]])
         lines += [
             f"Default model: each method's outputs ({lm['prompts']} prompts x {lm['seeds']} seeds, up to "
             f"{lm['max_tokens']} tokens) scored by the target at T = 1"
