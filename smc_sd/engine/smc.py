@@ -137,7 +137,7 @@ def trim_at_eos(ids: list[int], eos: int) -> list[int]:
     return ids[: ids.index(eos) + 1] if eos in ids else ids
 
 
-def first_token_mask(masker, n: int) -> torch.Tensor | None:
+def first_token_mask(masker) -> torch.Tensor | None:
     """[V] bool mask of the first generated token, or None when unconstrained.
 
     Raises:
@@ -168,7 +168,7 @@ def run_smc(plan, prompt: list[int], generator: torch.Generator, on_cycle=None) 
     """
     start = time.perf_counter()
     n, k, eos = plan.particles, plan.draft_len, plan.target.vocabulary.eos_token_id
-    first_mask = first_token_mask(plan.masker, n)
+    first_mask = first_token_mask(plan.masker)
     target_rows, first_logits = plan.target.open(prompt, n)
     draft_rows = plan.draft.open(prompt, n)[0] if plan.draft is not None else None
     try:
@@ -228,7 +228,8 @@ def run_smc(plan, prompt: list[int], generator: torch.Generator, on_cycle=None) 
             # [N, V]: the bonus token's scores, masked; dead rows draw unmasked, at weight zero
             bonus_scores = scores[:, k]
             if mask_at is not None:
-                bonus_mask, bonus_dead = mask_at(drafted)
+                # a dead bonus row has an all -inf score row: its logsumexp zeroes the weight
+                bonus_mask, _ = mask_at(drafted)
                 bonus_scores = apply_mask(bonus_scores, bonus_mask)
             bonus = sample_tokens(torch.where(bonus_scores.isfinite().any(-1, keepdim=True), bonus_scores, scores[:, k]), generator)
             block = torch.cat([drafted, bonus[:, None]], 1)
@@ -282,4 +283,3 @@ def run_smc(plan, prompt: list[int], generator: torch.Generator, on_cycle=None) 
         target_rows.close()
         if draft_rows is not None:
             draft_rows.close()
-

@@ -54,7 +54,7 @@ def run_speculative(plan, prompt: list[int], generator: torch.Generator, on_cycl
     """Run an accept/reject StepPlan: one sequence, K drafted tokens per cycle."""
     start = time.perf_counter()
     k, eos = plan.draft_len, plan.target.vocabulary.eos_token_id
-    first_mask = first_token_mask(plan.masker, 1)
+    first_mask = first_token_mask(plan.masker)
     target_rows, first_logits = plan.target.open(prompt, 1)
     draft_rows = plan.draft.open(prompt, 1)[0]
     try:
