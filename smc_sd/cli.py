@@ -173,6 +173,8 @@ def common_prefix(rows: list[list[int]]) -> list[int]:
 def generate(args) -> int:
     from smc_sd.backends.hf import chat_prompt
 
+    if not args.prompt.strip():
+        raise ValueError("the prompt is empty; give some text")
     module = get(args.method)
     started = time.perf_counter()
     target, draft = load_models(args)
@@ -183,8 +185,6 @@ def generate(args) -> int:
         prompt = target.tokenizer.encode(args.prompt, add_special_tokens=False)
     else:
         prompt = chat_prompt(target.tokenizer, args.prompt)
-    if not args.prompt.strip():
-        raise ValueError("the prompt is empty; give some text")
     particles = args.particles if args.particles is not None else module.DEFAULT_PARTICLES
     schedule = Schedule(particles, args.ess_threshold, args.resampling, args.max_new_tokens)
     stream = None if args.json else TextStream(target.decode, target.vocabulary.eos_token_id, time.perf_counter(), particles)
