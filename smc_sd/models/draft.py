@@ -3,9 +3,17 @@
 The draft reads the target's (frozen) token embedding, runs a few decoder layers of the target's
 width (576) and scores a restricted output vocabulary S, |S| = V_S << V: the LM head over all
 V = 49152 tokens would cost more than the draft's layers. Only the layers, the final norm, the head
-[V_S, 576] and the ids of S are stored (`smollm2_draft/model.safetensors`, fp16); the embedding is
-the target's own (frozen in training) and is read from the target's weights at load time, so
-nothing is downloaded.
+[V_S, 576] and the ids of S are stored (`smollm2_draft/model.safetensors`); the embedding is the
+target's own (frozen in training) and is read from the target's weights at load time, so nothing
+is downloaded.
+
+Storage: every matrix W [rows, cols] is kept as int8 Q with one float32 scale per group g of
+GROUP consecutive entries of a row (fp16 scales),
+
+    s_rg = max_{c in g} |W_rc| / 127,   Q_rc = round(W_rc / s_rg),   loaded as W'_rc = s_rg Q_rc,
+
+and the norms in fp16. The draft IS the dequantized model: its q below is computed from W', so
+the weights and acceptance tests use exactly the distribution it samples from.
 
 The draft's distribution over the full vocabulary is
 
@@ -35,6 +43,8 @@ MASKED_LOGIT = -1e4
 DRAFT_DIR = pathlib.Path(__file__).parent / "smollm2_draft"
 WEIGHTS = "model.safetensors"
 EMBEDDING = "model.embed_tokens.weight"
+SCALE = ".int8_scale"
+GROUP = 16
 
 
 class RestrictedVocabLM(HFLanguageModel):
@@ -74,19 +84,49 @@ def build_student(target_config: LlamaConfig, layers: int, vocab_ids: torch.Tens
     return model
 
 
+def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(Q [rows, cols] int8, s [rows, cols / GROUP] float16): W ~ s Q group by group, s = group max |W| / 127."""
+    rows, cols = weight.shape
+    # [rows, groups, GROUP]
+    grouped = weight.detach().float().reshape(rows, cols // GROUP, GROUP)
+    scale = grouped.abs().amax(dim=-1, keepdim=True).clamp(min=1e-12) / 127
+    scale = scale.half().float()
+    return torch.round(grouped / scale).clamp(-127, 127).to(torch.int8).reshape(rows, cols), scale[..., 0].half()
+
+
+def dequantize_int8(quantized: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """float32 W' = s Q, the inverse of `quantize_int8` up to rounding (|W - W'| <= s / 2)."""
+    rows, cols = quantized.shape
+    return (quantized.float().reshape(rows, cols // GROUP, GROUP) * scale.float()[..., None]).reshape(rows, cols)
+
+
 def save_draft(model: LlamaForCausalLM, vocab_ids: torch.Tensor, out_dir: pathlib.Path) -> None:
-    """Write config.json and model.safetensors: the trained weights in fp16 (the embedding, the
-    target's own, is left out) and the int64 vocabulary ids."""
+    """Write config.json and model.safetensors: the trained matrices in int8 with a scale per
+    row, the norms in fp16 (the embedding, the target's own, is left out) and the int64
+    vocabulary ids."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    tensors = {
-        name: value.detach().to(torch.float16).contiguous()
-        for name, value in model.state_dict().items()
-        if name != EMBEDDING
-    }
-    tensors["vocab_ids"] = vocab_ids.to(torch.int64).contiguous()
-    save_file(tensors, str(out_dir / WEIGHTS))
+    tensors = {}
+    for name, value in model.state_dict().items():
+        if name == EMBEDDING:
+            continue
+        if value.dim() == 2:
+            tensors[name], tensors[name + SCALE] = quantize_int8(value)
+        else:
+            tensors[name] = value.detach().to(torch.float16)
+    tensors["vocab_ids"] = vocab_ids.to(torch.int64)
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(out_dir / WEIGHTS))
     (out_dir / WEIGHTS).chmod(0o644)
     (out_dir / "config.json").write_text(json.dumps(model.config.to_dict(), indent=1, sort_keys=True))
+
+
+def dequantize(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The stored tensors as float32 weights: s * Q for every int8 matrix, the rest cast."""
+    weights = {}
+    for name, value in state.items():
+        if name.endswith(SCALE):
+            continue
+        weights[name] = dequantize_int8(value, state[name + SCALE]) if value.dtype == torch.int8 else value.float()
+    return weights
 
 
 def load_draft(
@@ -110,7 +150,7 @@ def load_draft(
         state[EMBEDDING] = weights.get_tensor(EMBEDDING)
     with torch.device("meta"):
         model = build_student(config, config.num_hidden_layers, vocab_ids)
-    model.load_state_dict({k: v.to(torch.float32) for k, v in state.items()}, strict=True, assign=True)
+    model.load_state_dict(dequantize(state), strict=True, assign=True)
     # the rotary tables are buffers computed at construction, not stored weights
     model.model.rotary_emb = type(model.model.rotary_emb)(config=config)
     tokenizer = AutoTokenizer.from_pretrained(target_dir, local_files_only=True)

@@ -21,8 +21,9 @@ import tempfile
 # keeps the most: the mean over 108 positions of 1 - TV(target, draft) next-token distributions on
 # the target's greedy replies to three chat prompts is 0.859 (next best single layers: 3 and 4,
 # 0.826 and 0.825). It is only about 3% cheaper than the target: SMC-SD and sd with it follow the
-# target closely but are not faster than ar. The distilled draft (`smc_sd.models.draft`) is cheap
-# but agrees with the target far less (acceptance 0.28), so it is opt-in.
+# target closely but are not faster than ar. It is the default draft: the distilled draft
+# (`smc_sd.models.draft`) costs a quarter of a target token but agrees with it less (acceptance
+# 0.42), too little for SMC-SD at small N, so it is opt-in (`--draft distilled`).
 SELF_DRAFT_DROPPED_LAYERS = (5,)
 
 MODEL_NAME = "SmolLM2-135M-Instruct"
