@@ -35,7 +35,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--resampling", default="systematic", help="systematic, multinomial, stratified or residual")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--target", default=None, help="local transformers model directory (default: SmolLM2-135M-Instruct)")
-    g.add_argument("--draft", default=None, help="local model directory sharing the target's tokenizer, a draft saved by smc_sd.models.distill, or 'distilled' for the shipped distilled draft (default: the target without decoder layer 5)")
+    g.add_argument("--draft", default=None, help="local model directory sharing the target's tokenizer, a draft saved by smc_sd.models.distill, 'self' (the default model without decoder layer 5, the default) or 'distilled' (the shipped distilled draft, --backend hf only)")
     g.add_argument("--device", default="cpu", help="cpu or cuda")
     g.add_argument("--backend", choices=["hf", "vllm"], default="hf", help="transformers (hf) or a vLLM engine per model")
     g.add_argument("--tensor-parallel-size", type=int, default=1, help="vllm: GPUs each model is split over")
@@ -49,8 +49,12 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+DISTILLED_ON_VLLM = "smc-sd: a distilled restricted-vocabulary draft runs on --backend hf only"
+
+
 def load_models(args):
     """The target and (for methods that draft) the draft, as HFLanguageModels (or vLLM engines)."""
+    check_draft_choice(args)
     if args.backend == "vllm":
         return load_vllm_models(args)
     from smc_sd.backends.hf import HFLanguageModel
@@ -64,6 +68,8 @@ def load_models(args):
         target = HFLanguageModel.from_pretrained(args.target, device=args.device)
     if args.method == "ar":
         return target, None
+    if args.draft == "self":
+        return target, HFLanguageModel.self_draft(args.device)
     if args.draft == "distilled":
         return target, HFLanguageModel.distilled_draft(args.device)
     if args.draft is not None and is_draft_dir(args.draft):
@@ -75,11 +81,21 @@ def load_models(args):
     raise SystemExit(f"smc-sd: --method {args.method} with --target needs a --draft model directory")
 
 
+def check_draft_choice(args) -> None:
+    """Refuse, before loading anything, `--draft self|distilled` (drafts of the default model) with
+    another `--target`, and the restricted-vocabulary distilled draft on vLLM."""
+    if args.draft in ("self", "distilled") and args.target is not None:
+        raise SystemExit(f"smc-sd: --draft {args.draft} is a draft of the default model; "
+                         "with --target give a --draft model directory")
+    if args.draft == "distilled" and args.backend == "vllm":
+        raise SystemExit(DISTILLED_ON_VLLM)
+
+
 def load_vllm_models(args):
     """The target and draft as VLLMLanguageModels, one engine each, with the CLI's engine options.
 
-    The default draft is the default model without decoder layer 5 (vLLM cannot serve the
-    package's distilled restricted-vocabulary draft).
+    The default draft is the default model without decoder layer 5 (`--draft self`, as on hf;
+    vLLM cannot serve the package's distilled restricted-vocabulary draft).
     """
     from smc_sd.backends.vllm import VLLMLanguageModel, VLLMOptions
     from smc_sd.models.draft import is_draft_dir
@@ -96,11 +112,11 @@ def load_vllm_models(args):
     if args.method == "ar":
         return target, None
     if args.draft is not None and is_draft_dir(args.draft):
-        raise SystemExit("smc-sd: a distilled restricted-vocabulary draft runs on --backend hf only")
-    if args.draft is not None:
+        raise SystemExit(DISTILLED_ON_VLLM)
+    if args.draft is not None and args.draft != "self":
         return target, VLLMLanguageModel(args.draft, options)
     if args.target is None:
-        return target, VLLMLanguageModel.default_draft(options)
+        return target, VLLMLanguageModel.self_draft(options)
     raise SystemExit(f"smc-sd: --method {args.method} with --target needs a --draft model directory")
 
 

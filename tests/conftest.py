@@ -15,7 +15,15 @@ def default_lm():
 
 @pytest.fixture(scope="session")
 def default_draft():
-    """The default self-speculative draft, loaded once per test session."""
+    """The default draft, loaded once per test session."""
     from smc_sd.backends.hf import HFLanguageModel
 
     return HFLanguageModel.default_draft()
+
+
+@pytest.fixture(scope="session")
+def self_draft():
+    """The self-speculative draft (the default model without a decoder layer), loaded once."""
+    from smc_sd.backends.hf import HFLanguageModel
+
+    return HFLanguageModel.self_draft()

@@ -130,11 +130,11 @@ class VLLMLanguageModel(LanguageModel):
         return cls(default_model_dir(), options)
 
     @classmethod
-    def default_draft(cls, options: VLLMOptions = VLLMOptions()) -> VLLMLanguageModel:
+    def self_draft(cls, options: VLLMOptions = VLLMOptions()) -> VLLMLanguageModel:
         """The default model without decoder layer(s) `SELF_DRAFT_DROPPED_LAYERS`: a self-draft.
 
-        The same draft as `HFLanguageModel.default_draft`, written out as a plain Llama directory
-        vLLM loads like any other.
+        The same draft as `HFLanguageModel.self_draft`, written out as a plain Llama directory
+        vLLM loads like any other (vLLM cannot serve the shipped restricted-vocabulary draft).
         """
         from smc_sd.models.smollm2 import SELF_DRAFT_DROPPED_LAYERS, default_model_dir
 

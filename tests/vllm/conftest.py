@@ -25,7 +25,7 @@ def vllm_lm():
 def vllm_draft():
     from smc_sd.backends.vllm import VLLMLanguageModel
 
-    return VLLMLanguageModel.default_draft()
+    return VLLMLanguageModel.self_draft()
 
 
 @pytest.fixture(scope="session")
@@ -40,4 +40,4 @@ def hf_draft():
     """The hf twin of the vLLM default draft: the target without the same decoder layers."""
     from smc_sd.backends.hf import HFLanguageModel
 
-    return HFLanguageModel.default_draft()
+    return HFLanguageModel.self_draft()
