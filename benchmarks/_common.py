@@ -23,8 +23,9 @@ RESULTS = pathlib.Path(__file__).resolve().parent / "results"
 
 
 def load_default_models(draft_dir: str | None = None):
-    """(target, draft): the embedded default model and the default draft, the shipped distilled
-    draft ("distilled") or a local draft directory."""
+    """(target, draft): the embedded default model and the default draft, the self-speculative
+    draft ("self": the target without decoder layer 5), the shipped distilled draft ("distilled")
+    or a local draft directory."""
     from smc_sd.backends.hf import HFLanguageModel
     from smc_sd.models.draft import is_draft_dir, load_draft
     from smc_sd.models.smollm2 import default_model_dir
@@ -32,6 +33,8 @@ def load_default_models(draft_dir: str | None = None):
     target = HFLanguageModel.default()
     if draft_dir is None:
         return target, HFLanguageModel.default_draft()
+    if draft_dir == "self":
+        return target, HFLanguageModel.self_draft()
     if draft_dir == "distilled":
         return target, HFLanguageModel.distilled_draft()
     if is_draft_dir(draft_dir):

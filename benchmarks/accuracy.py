@@ -118,7 +118,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--items", type=int, default=100, help="items (the committed results use 200)")
     parser.add_argument("--max-tokens", type=int, default=3, help="new tokens per answer (' ', '1', '4' for 14)")
     parser.add_argument("--seed", type=int, default=0, help="seeds the items and the runs")
-    parser.add_argument("--draft", default=None, help="a local draft model directory")
+    parser.add_argument("--draft", default=None, help="'self' (the target without decoder layer 5), 'distilled' (the shipped distilled draft) or a local draft model directory")
     parser.add_argument("--settings", default=None, help="comma-separated indices into SETTINGS (default: all)")
     parser.add_argument("--name", default="accuracy", help="results/<name>.json and .png")
     parser.add_argument("--merge", nargs="+", default=None, metavar="JSON",
@@ -137,7 +137,7 @@ def main(argv=None) -> dict:
         "benchmark": "accuracy",
         "task": "single-digit addition, 4-shot raw completion, exact match of the first integer",
         "model": "SmolLM2-135M-Instruct (fp32, CPU), T = 1",
-        "draft": args.draft or "the default draft (HFLanguageModel.default_draft())",
+        "draft": args.draft or "the default draft (HFLanguageModel.default_draft(): the target without decoder layer 5)",
         "items": args.items,
         "max_tokens": args.max_tokens,
         "environment": environment(),

@@ -60,7 +60,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--prompts", type=pathlib.Path, default=HELDOUT, help="one instruction per line")
     parser.add_argument("--limit", type=int, default=None, help="use only the first LIMIT prompts")
     parser.add_argument("--max-tokens", type=int, default=64, help="positions scored per prompt")
-    parser.add_argument("--draft", default=None, help="a local draft model directory (default: the default draft)")
+    parser.add_argument("--draft", default=None, help="'self' (the target without decoder layer 5), 'distilled' (the shipped distilled draft) or a local draft model directory (default: the default draft)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", action="store_true", help="print the JSON object only")
     parser.add_argument("--no-write", action="store_true", help="write no results file")
@@ -84,7 +84,7 @@ def main(argv=None) -> dict:
         "draft_ms_per_token": 1e3 * sum(draft_s) / len(draft_s),
         "acceptance_per_prompt": [sum(r["acceptance"]) / len(r["acceptance"]) for r in per_prompt],
         "prompts_file": str(args.prompts),
-        "draft": args.draft or "default draft",
+        "draft": args.draft or "the default draft (the target without decoder layer 5)",
         "environment": environment(),
     }
     if not args.json:

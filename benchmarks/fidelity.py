@@ -172,7 +172,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--lm-seeds", type=int, default=4)
     parser.add_argument("--lm-max-tokens", type=int, default=16)
     parser.add_argument("--skip-lm", action="store_true", help="toy part only (no model load)")
-    parser.add_argument("--draft", default=None, help="a local draft model directory")
+    parser.add_argument("--draft", default=None, help="'self' (the target without decoder layer 5), 'distilled' (the shipped distilled draft) or a local draft model directory")
     parser.add_argument("--no-write", action="store_true", help="print JSON only; write no files")
     args = parser.parse_args(argv)
     if args.replot:
@@ -185,7 +185,7 @@ def main(argv=None) -> dict:
     if not args.skip_lm:
         target, draft = load_default_models(args.draft)
         lm = lm_fidelity(target, draft, args.lm_prompts, args.lm_seeds, args.lm_max_tokens)
-        lm["draft"] = args.draft or "the default draft (HFLanguageModel.default_draft())"
+        lm["draft"] = args.draft or "the default draft (HFLanguageModel.default_draft(): the target without decoder layer 5)"
     data = {"benchmark": "fidelity", "environment": environment(), "toy": toy, "lm": lm,
             "wall_seconds": time.perf_counter() - started}
     if not args.no_write:

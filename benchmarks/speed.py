@@ -14,7 +14,7 @@ grid) each prompt is decoded once with a fixed seed. Reported per configuration:
 On this project's CPU verification is not free (a [8, 5] forward costs about 3x a [1, 1] one),
 so CPU ratios show costs as measured; they are not GPU predictions (see gpu.py).
 
-Usage: python benchmarks/speed.py [--max-tokens 32] [--prompts 2] [--grid] [--draft DIR] [--kv-compare]
+Usage: python benchmarks/speed.py [--max-tokens 128] [--prompts 4] [--grid] [--draft DIR] [--kv-compare]
 """
 
 from __future__ import annotations
@@ -61,13 +61,14 @@ CONFIGS = [
     Config("ar"),
     Config("sd", draft_len=1),
     Config("sd", draft_len=2),
-    Config("sd", draft_len=4),
+    Config("sd", draft_len=3),
     Config("smc-sd", particles=2, draft_len=2),
     Config("smc-sd", particles=2, draft_len=4),
     Config("smc-sd", particles=4, draft_len=2),
     Config("smc-sd", particles=4, draft_len=4),
-    Config("smc-sd", particles=4, draft_len=6),
+    Config("smc-sd", particles=8, draft_len=2),
     Config("smc-sd", particles=8, draft_len=4),
+    Config("smc-sd", particles=16, draft_len=2),
 ]
 
 
@@ -91,44 +92,75 @@ def target_logprobs(target, prompt: list[int], tokens: list[int]) -> list[float]
     return logp.gather(-1, torch.tensor(tokens)[:, None])[:, 0].tolist()
 
 
-def measure(config: Config, target, draft, prompts: list[list[int]], max_tokens: int, seed: int) -> dict:
-    """Decode every prompt once; sum tokens, seconds and passes over the prompts.
-
-    Fidelity: mean_target_logprob = the mean over all generated tokens of log p_T(x_t | x_<t)
-    (T = 1), with its standard error; scored after timing, so it costs no measured time.
-    """
+def decode(config: Config, program, target, prompt: list[int], max_tokens: int, seed: int) -> dict:
+    """Decode one prompt once with `program` (built for `config`); its counts and target log-probs."""
     from smc_sd import Schedule
 
-    options = {"draft_len": config.draft_len, **config.options} if config.draft_len else dict(config.options)
-    program = build_program(config.method, target, draft, **options)
-    for lm in (target, draft):
+    for lm in (target, program.proposal.lm if program.proposal is not None else None):
         if hasattr(lm, "kv_cache"):
             lm.kv_cache = config.kv_cache
-    tokens = seconds = target_passes = draft_passes = resamples = kv_peak = 0
-    logprobs = []
-    for i, prompt in enumerate(prompts):
-        result = program.run(prompt, Schedule(config.particles, max_tokens=max_tokens), seed=seed + i)
-        logprobs += target_logprobs(target, prompt, result.tokens)
-        tokens += len(result.tokens)
-        seconds += result.seconds
-        # +1: the prompt's own forward, which also yields the first token
-        target_passes += result.target_passes + 1
-        draft_passes += result.draft_passes
-        resamples += result.resamples
-        kv_peak = max(kv_peak, result.kv["peak_bytes"] if result.kv else 0)
+    result = program.run(prompt, Schedule(config.particles, max_tokens=max_tokens), seed=seed)
     return {
-        "label": config.label,
-        **asdict(config),
-        "tokens": tokens,
-        "seconds": seconds,
-        "tokens_per_second": tokens / seconds,
-        "target_passes_per_token": target_passes / tokens,
-        "draft_passes_per_token": draft_passes / tokens,
-        "resamples": resamples,
-        "kv_peak_bytes": kv_peak,
-        "mean_target_logprob": mean_stderr(logprobs)[0],
-        "mean_target_logprob_stderr": mean_stderr(logprobs)[1],
+        "tokens": len(result.tokens),
+        "seconds": result.seconds,
+        # +1: the prompt's own forward, which also yields the first token
+        "target_passes": result.target_passes + 1,
+        "draft_passes": result.draft_passes,
+        "resamples": result.resamples,
+        "kv_peak_bytes": result.kv["peak_bytes"] if result.kv else 0,
+        "logprobs": target_logprobs(target, prompt, result.tokens),
     }
+
+
+def measure(configs: list[Config], target, draft, prompts: list[list[int]], max_tokens: int, seed: int) -> list[dict]:
+    """Decode every prompt once with every configuration; sum tokens, seconds and passes per configuration.
+
+    The configurations take turns prompt by prompt (prompt 1 with every configuration, then
+    prompt 2, ...), so a change of load on the machine during the run hits them alike. Prompt i
+    is decoded with seed + i by every configuration. Fidelity: mean_target_logprob = the mean over
+    all generated tokens of log p_T(x_t | x_<t) (T = 1), with its standard error; scored after
+    timing, so it costs no measured time.
+    """
+    programs = []
+    for config in configs:
+        options = {"draft_len": config.draft_len, **config.options} if config.draft_len else dict(config.options)
+        programs.append(build_program(config.method, target, draft, **options))
+    runs = [[] for _ in configs]
+    for i, prompt in enumerate(prompts):
+        for config, program, done in zip(configs, programs, runs):
+            done.append(decode(config, program, target, prompt, max_tokens, seed + i))
+    rows = []
+    for config, done in zip(configs, runs):
+        tokens = sum(r["tokens"] for r in done)
+        seconds = sum(r["seconds"] for r in done)
+        logprobs = [lp for r in done for lp in r["logprobs"]]
+        rows.append({
+            "label": config.label,
+            **asdict(config),
+            "tokens": tokens,
+            "seconds": seconds,
+            "tokens_per_second": tokens / seconds,
+            "target_passes_per_token": sum(r["target_passes"] for r in done) / tokens,
+            "draft_passes_per_token": sum(r["draft_passes"] for r in done) / tokens,
+            "resamples": sum(r["resamples"] for r in done),
+            "kv_peak_bytes": max(r["kv_peak_bytes"] for r in done),
+            "mean_target_logprob": mean_stderr(logprobs)[0],
+            "mean_target_logprob_stderr": mean_stderr(logprobs)[1],
+        })
+    return rows
+
+
+# fidelity tolerance: a setting counts as faithful when its mean target log-probability per token
+# is within this fraction of ar's
+FIDELITY_TOLERANCE = 0.03
+
+
+def best(rows: list[dict], method: str, faithful: bool = False) -> dict | None:
+    """The row of `method` with the most tokens/s, among the faithful ones if `faithful` (None if none)."""
+    candidates = [r for r in rows if r["method"] == method]
+    if faithful:
+        candidates = [r for r in candidates if abs(r["logprob_ratio_vs_ar"] - 1) <= FIDELITY_TOLERANCE]
+    return max(candidates, key=lambda r: r["tokens_per_second"]) if candidates else None
 
 
 def plot(rows: list[dict]) -> list[str]:
@@ -150,10 +182,10 @@ def plot(rows: list[dict]) -> list[str]:
 
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--max-tokens", type=int, default=32, help="new tokens per prompt")
-    parser.add_argument("--prompts", type=int, default=2, help=f"how many of the {len(PROMPTS)} prompts")
+    parser.add_argument("--max-tokens", type=int, default=128, help="new tokens per prompt")
+    parser.add_argument("--prompts", type=int, default=len(PROMPTS), help=f"how many of the {len(PROMPTS)} prompts")
     parser.add_argument("--grid", action="store_true", help="N in 1..16 x K in 1..8 instead of CONFIGS")
-    parser.add_argument("--draft", default=None, help="'distilled' (the shipped distilled draft) or a local draft model directory (default: the default draft)")
+    parser.add_argument("--draft", default=None, help="'self' (the target without decoder layer 5, the default), 'distilled' (the shipped distilled draft, hf only) or a local draft model directory")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-write", action="store_true", help="print JSON only; write no files")
     parser.add_argument("--json", dest="no_write", action="store_true", help="the same as --no-write")
@@ -173,7 +205,7 @@ def main(argv=None) -> dict:
         from smc_sd.backends.vllm import VLLMLanguageModel
 
         target = VLLMLanguageModel.default()
-        draft = VLLMLanguageModel(args.draft) if args.draft else VLLMLanguageModel.default_draft()
+        draft = VLLMLanguageModel(args.draft) if args.draft not in (None, "self") else VLLMLanguageModel.self_draft()
     else:
         target, draft = load_default_models(args.draft)
     prompts = [chat_prompt(target.tokenizer, p) for p in PROMPTS[: args.prompts]]
@@ -184,7 +216,7 @@ def main(argv=None) -> dict:
     configs = grid() if args.grid else CONFIGS
     if args.kv_compare and args.backend == "hf":
         configs = configs + [replace(c, kv_cache="copy") for c in configs if c.method == "smc-sd"]
-    rows = [measure(c, target, draft, prompts, args.max_tokens, args.seed) for c in configs]
+    rows = measure(configs, target, draft, prompts, args.max_tokens, args.seed)
     for copy in (r for r in rows if r["kv_cache"] == "copy"):
         twin = next(r for r in rows if r["label"] == copy["label"].removesuffix(" kv=copy"))
         twin["paged_over_copy"] = twin["tokens_per_second"] / copy["tokens_per_second"]
@@ -198,11 +230,21 @@ def main(argv=None) -> dict:
         "benchmark": "speed",
         "backend": args.backend,
         "model": "SmolLM2-135M-Instruct (fp32, CPU)",
-        "draft": args.draft or "default draft (the target without decoder layer 5)",
+        "draft": args.draft or "the default draft (the target without decoder layer 5)",
         "prompts": len(prompts),
         "max_tokens": args.max_tokens,
         "environment": environment(),
         "wall_seconds": time.perf_counter() - started,
+        # the fastest setting of each method, and the fastest within FIDELITY_TOLERANCE of ar's
+        # mean target log-probability ("faithful")
+        "best": {
+            f"{method}{' faithful' if faithful else ''}": {
+                k: row[k] for k in ("label", "speedup_vs_ar", "logprob_ratio_vs_ar")
+            }
+            for method in ("sd", "smc-sd")
+            for faithful in (False, True)
+            if (row := best(rows, method, faithful)) is not None
+        },
         "rows": rows,
     }
     if not args.no_write:

@@ -85,14 +85,14 @@ def main(argv=None) -> dict:
 
     options = VLLMOptions(max_model_len=max(args.contexts) + 64)
     target = VLLMLanguageModel.default(options)
-    draft = VLLMLanguageModel.default_draft(options)
+    draft = VLLMLanguageModel.self_draft(options)
     program = get("smc-sd").program(target, draft, draft_len=args.draft_len)
     backends = [("vllm", program, (target, draft))]
     if args.hf:
         from smc_sd.backends.hf import HFLanguageModel
 
         hf_target = HFLanguageModel.default()
-        hf_draft = HFLanguageModel.default_draft()
+        hf_draft = HFLanguageModel.self_draft()
         backends.append(("hf", get("smc-sd").program(hf_target, hf_draft, draft_len=args.draft_len), ()))
 
     rows = []
