@@ -133,7 +133,7 @@ def measure(configs: list[Config], target, draft, prompts: list[list[int]], max_
     for config, done in zip(configs, runs):
         tokens = sum(r["tokens"] for r in done)
         seconds = sum(r["seconds"] for r in done)
-        logprobs = [lp for r in done for lp in r["logprobs"]]
+        mean_logprob, logprob_stderr = mean_stderr([lp for r in done for lp in r["logprobs"]])
         rows.append({
             "label": config.label,
             **asdict(config),
@@ -144,8 +144,8 @@ def measure(configs: list[Config], target, draft, prompts: list[list[int]], max_
             "draft_passes_per_token": sum(r["draft_passes"] for r in done) / tokens,
             "resamples": sum(r["resamples"] for r in done),
             "kv_peak_bytes": max(r["kv_peak_bytes"] for r in done),
-            "mean_target_logprob": mean_stderr(logprobs)[0],
-            "mean_target_logprob_stderr": mean_stderr(logprobs)[1],
+            "mean_target_logprob": mean_logprob,
+            "mean_target_logprob_stderr": logprob_stderr,
         })
     return rows
 

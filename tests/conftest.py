@@ -20,10 +20,3 @@ def default_draft():
 
     return HFLanguageModel.default_draft()
 
-
-@pytest.fixture(scope="session")
-def self_draft():
-    """The self-speculative draft (the default model without a decoder layer), loaded once."""
-    from smc_sd.backends.hf import HFLanguageModel
-
-    return HFLanguageModel.self_draft()

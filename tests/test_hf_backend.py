@@ -123,8 +123,9 @@ def test_drop_layers_validates_indices(default_lm):
         drop_decoder_layers(default_lm.model, [30])
 
 
-def test_self_draft_obeys_the_laws_and_shares_the_vocabulary(default_lm, self_draft, prompt, continuation_rows):
-    assert len(self_draft.model.get_decoder().layers) == len(default_lm.model.get_decoder().layers) - 1
-    check_same_vocabulary(self_draft, default_lm)
-    testing.assert_extend_matches_full_forward(self_draft, prompt, continuation_rows[:1], ATOL)
-    testing.assert_select_consistent(self_draft, prompt, continuation_rows, torch.tensor([1, 0, 1]), ATOL)
+def test_default_draft_is_the_self_draft_obeys_the_laws_and_shares_the_vocabulary(default_lm, default_draft, prompt, continuation_rows):
+    # the default draft is `self_draft`: the target without one decoder layer
+    assert len(default_draft.model.get_decoder().layers) == len(default_lm.model.get_decoder().layers) - 1
+    check_same_vocabulary(default_draft, default_lm)
+    testing.assert_extend_matches_full_forward(default_draft, prompt, continuation_rows[:1], ATOL)
+    testing.assert_select_consistent(default_draft, prompt, continuation_rows, torch.tensor([1, 0, 1]), ATOL)

@@ -197,8 +197,6 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--batch", type=int, default=16, help="replies per optimiser step")
     parser.add_argument("--lr", type=float, default=1e-3)
-    parser.add_argument("--limit-steps", type=int, default=None,
-                        help="train on only the first LIMIT_STEPS batches' worth of samples (for quick trials)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--work", type=pathlib.Path, default=pathlib.Path.home() / ".cache" / "smc-sd" / "distill",
                         help="where the sampled replies are kept (reused when present)")
@@ -215,7 +213,8 @@ def main(argv: list[str] | None = None) -> int:
     target.requires_grad_(False)
     tokenizer = AutoTokenizer.from_pretrained(target_dir, local_files_only=True)
     eos = tokenizer.eos_token_id
-    data_file = args.work / f"replies-p{args.prompts}-m{args.max_new_tokens}-s{args.seed}.pt"
+    # the replies depend on the batching too (each batch is seeded by its first prompt's index)
+    data_file = args.work / f"replies-p{args.prompts}-m{args.max_new_tokens}-b{args.gen_batch}-s{args.seed}.pt"
     # the teacher: a bf16 copy of the target (bf16 matrix units make it ~4x faster on CPU)
     teacher = copy.deepcopy(target).to(torch.bfloat16)
     if data_file.exists():
@@ -232,9 +231,8 @@ def main(argv: list[str] | None = None) -> int:
     # shuffle once (seeded): the samples come sorted by prompt length, and the check slice is the tail
     order = torch.randperm(len(data["samples"]), generator=torch.Generator().manual_seed(args.seed)).tolist()
     samples = [data["samples"][i] for i in order]
-    if args.limit_steps is not None:
-        samples = samples[: args.limit_steps * args.batch + max(1, len(samples) // 50)]
     student = init_student(target, vocab_ids, [int(i) for i in args.init_layers.split(",")])
+    del target
     train(student, teacher, samples, vocab_ids, eos, args.epochs, args.batch, args.lr, args.seed)
     save_draft(student, vocab_ids, args.out)
     print(f"saved the draft to {args.out}", file=sys.stderr)

@@ -7,8 +7,8 @@ V = 49152 tokens would cost more than the draft's layers. Only the layers, the f
 target's own (frozen in training) and is read from the target's weights at load time, so nothing
 is downloaded.
 
-Storage: every matrix W [rows, cols] is kept as int8 Q with one float32 scale per group g of
-GROUP consecutive entries of a row (fp16 scales),
+Storage: every matrix W [rows, cols] is kept as int8 Q with one fp16 scale per group g of
+GROUP consecutive entries of a row,
 
     s_rg = max_{c in g} |W_rc| / 127,   Q_rc = round(W_rc / s_rg),   loaded as W'_rc = s_rg Q_rc,
 
@@ -101,9 +101,9 @@ def dequantize_int8(quantized: torch.Tensor, scale: torch.Tensor) -> torch.Tenso
 
 
 def save_draft(model: LlamaForCausalLM, vocab_ids: torch.Tensor, out_dir: pathlib.Path) -> None:
-    """Write config.json and model.safetensors: the trained matrices in int8 with a scale per
-    row, the norms in fp16 (the embedding, the target's own, is left out) and the int64
-    vocabulary ids."""
+    """Write config.json and model.safetensors: the trained matrices in int8 with an fp16 scale
+    per group of GROUP weights of a row (`quantize_int8`), the norms in fp16 (the embedding, the
+    target's own, is left out) and the int64 vocabulary ids."""
     out_dir.mkdir(parents=True, exist_ok=True)
     tensors = {}
     for name, value in model.state_dict().items():
