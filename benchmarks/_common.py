@@ -42,6 +42,15 @@ def load_default_models(draft_dir: str | None = None):
     return target, HFLanguageModel.from_pretrained(draft_dir)
 
 
+def describe_draft(draft: str | None) -> str:
+    """The draft named as `load_default_models` takes it, in words for a results file."""
+    if draft in (None, "self"):
+        return "the default draft (the target without decoder layer 5)"
+    if draft == "distilled":
+        return "the shipped distilled draft (--draft distilled: 6 layers over the target's embedding, 16384-token head)"
+    return f"the draft in {draft}"
+
+
 def build_program(method: str, target, draft, **options):
     """The shipped program `method` ("ar", "sd", "smc-sd", ...) with the options it accepts.
 

@@ -25,7 +25,7 @@ import random
 import re
 import time
 
-from _common import build_program, emit, environment, load_default_models, pyplot, save_figure, setting_label, wilson_interval
+from _common import build_program, describe_draft, emit, environment, load_default_models, pyplot, save_figure, setting_label, wilson_interval
 
 SHOTS = "3 + 4 = 7\n8 + 1 = 9\n2 + 6 = 8\n5 + 5 = 10\n"
 
@@ -137,7 +137,7 @@ def main(argv=None) -> dict:
         "benchmark": "accuracy",
         "task": "single-digit addition, 4-shot raw completion, exact match of the first integer",
         "model": "SmolLM2-135M-Instruct (fp32, CPU), T = 1",
-        "draft": args.draft or "the default draft (HFLanguageModel.default_draft(): the target without decoder layer 5)",
+        "draft": describe_draft(args.draft),
         "items": args.items,
         "max_tokens": args.max_tokens,
         "environment": environment(),

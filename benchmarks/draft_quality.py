@@ -19,7 +19,7 @@ import argparse
 import pathlib
 import time
 
-from _common import emit, environment, load_default_models
+from _common import describe_draft, emit, environment, load_default_models
 
 import torch
 
@@ -84,7 +84,7 @@ def main(argv=None) -> dict:
         "draft_ms_per_token": 1e3 * sum(draft_s) / len(draft_s),
         "acceptance_per_prompt": [sum(r["acceptance"]) / len(r["acceptance"]) for r in per_prompt],
         "prompts_file": str(args.prompts),
-        "draft": args.draft or "the default draft (the target without decoder layer 5)",
+        "draft": describe_draft(args.draft),
         "environment": environment(),
     }
     if not args.json:

@@ -25,7 +25,7 @@ import time
 
 import torch
 
-from _common import RESULTS, build_program, emit, environment, load_default_models, mean_stderr, pyplot, save_figure, setting_label
+from _common import RESULTS, build_program, describe_draft, emit, environment, load_default_models, mean_stderr, pyplot, save_figure, setting_label
 
 PARTICLES = (1, 2, 4, 8, 16)
 DRAFT_LENS = (1, 2, 4)
@@ -185,7 +185,7 @@ def main(argv=None) -> dict:
     if not args.skip_lm:
         target, draft = load_default_models(args.draft)
         lm = lm_fidelity(target, draft, args.lm_prompts, args.lm_seeds, args.lm_max_tokens)
-        lm["draft"] = args.draft or "the default draft (HFLanguageModel.default_draft(): the target without decoder layer 5)"
+        lm["draft"] = describe_draft(args.draft)
     data = {"benchmark": "fidelity", "environment": environment(), "toy": toy, "lm": lm,
             "wall_seconds": time.perf_counter() - started}
     if not args.no_write:

@@ -58,7 +58,7 @@ def speed_section(data: dict, name: str = "speed") -> list[str]:
         "are costs as measured, not GPU predictions; target passes per token is the hardware-independent "
         "part (1/(K+1) for smc-sd). The mean target log-probability per generated token is the fidelity "
         "check: a draft that agrees poorly with the target pulls SMC-SD's outputs below ar's. "
-        "The 2-core machine was shared with other jobs, so timings vary by tens of percent between runs.", "",
+        "Timings on this 2-core machine vary by up to about 20% between runs.", "",
         f"![speed](benchmarks/results/{name}.png)", "",
     ]
 

@@ -23,7 +23,7 @@ import argparse
 import time
 from dataclasses import asdict, dataclass, field, replace
 
-from _common import build_program, emit, environment, load_default_models, mean_stderr, pyplot, save_figure
+from _common import build_program, describe_draft, emit, environment, load_default_models, mean_stderr, pyplot, save_figure
 
 PROMPTS = [
     "Write a short story about a lighthouse keeper.",
@@ -163,7 +163,15 @@ def best(rows: list[dict], method: str, faithful: bool = False) -> dict | None:
     return max(candidates, key=lambda r: r["tokens_per_second"]) if candidates else None
 
 
-def plot(rows: list[dict]) -> list[str]:
+def results_name(draft: str | None) -> str:
+    """The results file's stem: "speed" with the default (self) draft, "speed_distilled" with the
+    shipped distilled draft, "speed_other" with a draft from a directory."""
+    if draft in (None, "self"):
+        return "speed"
+    return "speed_distilled" if draft == "distilled" else "speed_other"
+
+
+def plot(rows: list[dict], name: str) -> list[str]:
     plt = pyplot()
     labels = [r["label"] for r in rows]
     colours = [{"ar": "grey", "sd": "tab:blue"}.get(r["method"], "tab:orange") for r in rows]
@@ -177,7 +185,7 @@ def plot(rows: list[dict]) -> list[str]:
     for ax in axes:
         ax.invert_yaxis()
         ax.grid(axis="x", alpha=0.3)
-    return [save_figure(fig, "speed")]
+    return [save_figure(fig, name)]
 
 
 def main(argv=None) -> dict:
@@ -230,7 +238,7 @@ def main(argv=None) -> dict:
         "benchmark": "speed",
         "backend": args.backend,
         "model": "SmolLM2-135M-Instruct (fp32, CPU)",
-        "draft": args.draft or "the default draft (the target without decoder layer 5)",
+        "draft": describe_draft(args.draft),
         "prompts": len(prompts),
         "max_tokens": args.max_tokens,
         "environment": environment(),
@@ -247,9 +255,10 @@ def main(argv=None) -> dict:
         },
         "rows": rows,
     }
+    name = results_name(args.draft)
     if not args.no_write:
-        data["plots"] = plot(rows)
-    emit("speed", data, write=not args.no_write)
+        data["plots"] = plot(rows, name)
+    emit(name, data, write=not args.no_write)
     return data
 
 
