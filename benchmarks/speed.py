@@ -14,7 +14,7 @@ grid) each prompt is decoded once with a fixed seed. Reported per configuration:
 On this project's CPU verification is not free (a [8, 5] forward costs about 3x a [1, 1] one),
 so CPU ratios show costs as measured; they are not GPU predictions (see gpu.py).
 
-Usage: python benchmarks/speed.py [--max-tokens 128] [--prompts 4] [--grid] [--draft DIR] [--kv-compare]
+Usage: python benchmarks/speed.py [--max-tokens 128] [--prompts 4] [--grid] [--draft self|distilled|DIR] [--kv-compare]
 """
 
 from __future__ import annotations

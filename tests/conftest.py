@@ -19,4 +19,3 @@ def default_draft():
     from smc_sd.backends.hf import HFLanguageModel
 
     return HFLanguageModel.default_draft()
-

@@ -109,7 +109,7 @@ class HFLanguageModel(LanguageModel):
         """The default draft: `self_draft`.
 
         The distilled draft (`distilled_draft`) costs a quarter of a target token but agrees with
-        the target too little (held-out acceptance 0.42) for SMC-SD at small N to follow the
+        the target too little (held-out acceptance 0.44) for SMC-SD at small N to follow the
         target (README, "The distilled draft"), so it is opt-in until a better one is trained.
         """
         return cls.self_draft(device, **options)

@@ -38,8 +38,6 @@ from smc_sd.backends import vllm_capture
 from smc_sd.backends.base import ContextOverflowError, LanguageModel, Sequences, Vocabulary, check_open
 
 
-
-
 @dataclass(frozen=True)
 class VLLMOptions:
     """Engine options passed through to `vllm.LLM`.

@@ -19,8 +19,9 @@ The recipe, every step seeded and offline (56 minutes on 2 CPU cores with bf16 m
    Then a shorter second phase (its own warm-up and decay, a lower peak rate) minimises the
    quantity the draft is judged by, TV(p_t, q_t) = 1 - sum_v min(p_t(v), q_t(v)) (q_t = 0 off S):
    its gradient only pushes mass onto the tokens where q_t < p_t (and is blind to how q_t spreads
-   over the rest), so it is a poor loss from a random start but a good finish once q_t is close (in a trial, 80 steps of it raised held-back acceptance by 0.011
-   where 80 more steps of forward KL raised it by 0.001).
+   over the rest), so it is a poor loss from a random start but a good finish once q_t is close
+   (in a trial, 80 steps of it raised held-back acceptance by 0.011 where 80 more steps of
+   forward KL raised it by 0.001).
 5. Output: int8 weights (fp16 scales per group of 16) and config in smc_sd/models/smollm2_draft
    (see `smc_sd.models.draft`).
 

@@ -23,7 +23,7 @@ import tempfile
 # 0.826 and 0.825). It is only about 3% cheaper than the target: SMC-SD and sd with it follow the
 # target closely but are not faster than ar. It is the default draft: the distilled draft
 # (`smc_sd.models.draft`) costs a quarter of a target token but agrees with it less (acceptance
-# 0.42), too little for SMC-SD at small N, so it is opt-in (`--draft distilled`).
+# 0.44), too little for SMC-SD at small N, so it is opt-in (`--draft distilled`).
 SELF_DRAFT_DROPPED_LAYERS = (5,)
 
 MODEL_NAME = "SmolLM2-135M-Instruct"
