@@ -22,24 +22,17 @@ import torch
 RESULTS = pathlib.Path(__file__).resolve().parent / "results"
 
 
+# the help of every benchmark's --draft option (the names `load_default_models` takes)
+DRAFT_HELP = "'self' (the target without decoder layer 5, the default), 'distilled' (the shipped distilled draft) or a local draft model directory"
+
+
 def load_default_models(draft_dir: str | None = None):
     """(target, draft): the embedded default model and the default draft, the self-speculative
     draft ("self": the target without decoder layer 5), the shipped distilled draft ("distilled")
     or a local draft directory."""
     from smc_sd.backends.hf import HFLanguageModel
-    from smc_sd.models.draft import is_draft_dir, load_draft
-    from smc_sd.models.smollm2 import default_model_dir
 
-    target = HFLanguageModel.default()
-    if draft_dir is None:
-        return target, HFLanguageModel.default_draft()
-    if draft_dir == "self":
-        return target, HFLanguageModel.self_draft()
-    if draft_dir == "distilled":
-        return target, HFLanguageModel.distilled_draft()
-    if is_draft_dir(draft_dir):
-        return target, load_draft(default_model_dir(), draft_dir)
-    return target, HFLanguageModel.from_pretrained(draft_dir)
+    return HFLanguageModel.default(), HFLanguageModel.named_draft(draft_dir)
 
 
 def describe_draft(draft: str | None) -> str:

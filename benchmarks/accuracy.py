@@ -25,7 +25,7 @@ import random
 import re
 import time
 
-from _common import build_program, describe_draft, emit, environment, load_default_models, pyplot, save_figure, setting_label, wilson_interval
+from _common import DRAFT_HELP, build_program, describe_draft, emit, environment, load_default_models, pyplot, save_figure, setting_label, wilson_interval
 
 SHOTS = "3 + 4 = 7\n8 + 1 = 9\n2 + 6 = 8\n5 + 5 = 10\n"
 
@@ -118,7 +118,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--items", type=int, default=100, help="items (the committed results use 200)")
     parser.add_argument("--max-tokens", type=int, default=3, help="new tokens per answer (' ', '1', '4' for 14)")
     parser.add_argument("--seed", type=int, default=0, help="seeds the items and the runs")
-    parser.add_argument("--draft", default=None, help="'self' (the target without decoder layer 5), 'distilled' (the shipped distilled draft) or a local draft model directory")
+    parser.add_argument("--draft", default=None, help=DRAFT_HELP)
     parser.add_argument("--settings", default=None, help="comma-separated indices into SETTINGS (default: all)")
     parser.add_argument("--name", default="accuracy", help="results/<name>.json and .png")
     parser.add_argument("--merge", nargs="+", default=None, metavar="JSON",

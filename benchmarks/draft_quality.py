@@ -19,7 +19,7 @@ import argparse
 import pathlib
 import time
 
-from _common import describe_draft, emit, environment, load_default_models
+from _common import DRAFT_HELP, describe_draft, emit, environment, load_default_models
 
 import torch
 
@@ -60,7 +60,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--prompts", type=pathlib.Path, default=HELDOUT, help="one instruction per line")
     parser.add_argument("--limit", type=int, default=None, help="use only the first LIMIT prompts")
     parser.add_argument("--max-tokens", type=int, default=64, help="positions scored per prompt")
-    parser.add_argument("--draft", default=None, help="'self' (the target without decoder layer 5), 'distilled' (the shipped distilled draft) or a local draft model directory (default: the default draft)")
+    parser.add_argument("--draft", default=None, help=DRAFT_HELP)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", action="store_true", help="print the JSON object only")
     parser.add_argument("--no-write", action="store_true", help="write no results file")

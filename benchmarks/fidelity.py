@@ -25,7 +25,7 @@ import time
 
 import torch
 
-from _common import RESULTS, build_program, describe_draft, emit, environment, load_default_models, mean_stderr, pyplot, save_figure, setting_label
+from _common import DRAFT_HELP, RESULTS, build_program, describe_draft, emit, environment, load_default_models, mean_stderr, pyplot, save_figure, setting_label
 
 PARTICLES = (1, 2, 4, 8, 16)
 DRAFT_LENS = (1, 2, 4)
@@ -172,7 +172,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--lm-seeds", type=int, default=4)
     parser.add_argument("--lm-max-tokens", type=int, default=16)
     parser.add_argument("--skip-lm", action="store_true", help="toy part only (no model load)")
-    parser.add_argument("--draft", default=None, help="'self' (the target without decoder layer 5), 'distilled' (the shipped distilled draft) or a local draft model directory")
+    parser.add_argument("--draft", default=None, help=DRAFT_HELP)
     parser.add_argument("--no-write", action="store_true", help="print JSON only; write no files")
     args = parser.parse_args(argv)
     if args.replot:

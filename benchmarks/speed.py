@@ -23,7 +23,7 @@ import argparse
 import time
 from dataclasses import asdict, dataclass, field, replace
 
-from _common import build_program, describe_draft, emit, environment, load_default_models, mean_stderr, pyplot, save_figure
+from _common import DRAFT_HELP, build_program, describe_draft, emit, environment, load_default_models, mean_stderr, pyplot, save_figure
 
 PROMPTS = [
     "Write a short story about a lighthouse keeper.",
@@ -193,7 +193,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--max-tokens", type=int, default=128, help="new tokens per prompt")
     parser.add_argument("--prompts", type=int, default=len(PROMPTS), help=f"how many of the {len(PROMPTS)} prompts")
     parser.add_argument("--grid", action="store_true", help="N in 1..16 x K in 1..8 instead of CONFIGS")
-    parser.add_argument("--draft", default=None, help="'self' (the target without decoder layer 5, the default), 'distilled' (the shipped distilled draft, hf only) or a local draft model directory")
+    parser.add_argument("--draft", default=None, help=DRAFT_HELP + "; distilled: --backend hf only")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-write", action="store_true", help="print JSON only; write no files")
     parser.add_argument("--json", dest="no_write", action="store_true", help="the same as --no-write")

@@ -58,8 +58,6 @@ def load_models(args):
     if args.backend == "vllm":
         return load_vllm_models(args)
     from smc_sd.backends.hf import HFLanguageModel
-    from smc_sd.models.draft import is_draft_dir, load_draft
-    from smc_sd.models.smollm2 import default_model_dir
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     if args.target is None:
@@ -68,17 +66,9 @@ def load_models(args):
         target = HFLanguageModel.from_pretrained(args.target, device=args.device)
     if args.method == "ar":
         return target, None
-    if args.draft == "self":
-        return target, HFLanguageModel.self_draft(args.device)
-    if args.draft == "distilled":
-        return target, HFLanguageModel.distilled_draft(args.device)
-    if args.draft is not None and is_draft_dir(args.draft):
-        return target, load_draft(args.target or default_model_dir(), args.draft, device=args.device)
-    if args.draft is not None:
-        return target, HFLanguageModel.from_pretrained(args.draft, device=args.device)
-    if args.target is None:
-        return target, HFLanguageModel.default_draft(args.device)
-    raise SystemExit(f"smc-sd: --method {args.method} with --target needs a --draft model directory")
+    if args.draft is None and args.target is not None:
+        raise SystemExit(f"smc-sd: --method {args.method} with --target needs a --draft model directory")
+    return target, HFLanguageModel.named_draft(args.draft, args.target, args.device)
 
 
 def check_draft_choice(args) -> None:

@@ -133,6 +133,27 @@ class HFLanguageModel(LanguageModel):
 
         return load_draft(default_model_dir(), device=device, **options)
 
+    @classmethod
+    def named_draft(cls, name: str | None, target_dir=None, device: str | torch.device = "cpu") -> HFLanguageModel:
+        """The draft a `--draft` value names.
+
+        None: `default_draft`; "self": `self_draft`; "distilled": `distilled_draft`; a directory
+        saved by the distillation recipe: that draft over the embedding of the target in
+        `target_dir` (default: the default model); any other path: a transformers model directory.
+        """
+        from smc_sd.models.draft import is_draft_dir, load_draft
+        from smc_sd.models.smollm2 import default_model_dir
+
+        if name is None:
+            return cls.default_draft(device)
+        if name == "self":
+            return cls.self_draft(device)
+        if name == "distilled":
+            return cls.distilled_draft(device)
+        if is_draft_dir(name):
+            return load_draft(target_dir or default_model_dir(), name, device=device)
+        return cls.from_pretrained(name, device=device)
+
     @property
     def vocabulary(self) -> Vocabulary:
         return self._vocabulary
