@@ -65,3 +65,17 @@ def test_ess_bounds():
 def test_unknown_scheme_lists_the_valid_ones():
     with pytest.raises(ValueError, match="systematic"):
         resample(torch.zeros(3), torch.Generator(), "bogus")
+
+
+@pytest.mark.parametrize("scheme", sorted(RESAMPLERS))
+def test_round_off_never_picks_a_zero_weight_particle(scheme, monkeypatch):
+    # ten equal weights sum to 1 - 2^-53 in float64; the uniforms are pushed to the top of [0, 1),
+    # where round-off leaves points at or above the computed total
+    logw = torch.tensor([0.0] * 10 + [-math.inf], dtype=torch.float64)
+    top = 1 - 2**-53
+    monkeypatch.setattr(torch, "rand", lambda n, **kw: torch.full((n,), top, dtype=torch.float64))
+    ancestors = resample(logw, torch.Generator(), scheme)
+    assert ancestors.max() < 10, f"{scheme} chose the zero-weight particle"
+    # a zero weight in the middle is skipped too
+    logw = torch.tensor([0.0, -math.inf, 0.0, -math.inf], dtype=torch.float64)
+    assert set(resample(logw, torch.Generator(), scheme).tolist()) <= {0, 2}

@@ -40,12 +40,20 @@ def effective_sample_size(logw: torch.Tensor) -> float:
 def _inverse_cdf(w: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """Index j with cdf_{j-1} <= u < cdf_j for each sorted u in [0, 1).
 
-    The last cumulative weight is forced to exactly 1 so round-off never yields index N, and
-    `right=True` search skips zero-weight particles (their cdf step is empty).
+    The cumulative weight is forced to exactly 1 from the last particle of positive weight on,
+    and indices are clamped to that particle: a u that round-off leaves at or above the computed
+    total (points (i + u) / n can round to 1.0) still lands on a particle of positive weight,
+    never on index N nor on the zero-weight particles after it; `right=True` search skips the
+    zero-weight particles before it (their cdf step is empty).
+
+    Args:
+        w: [N] float64 normalised weights, at least one positive.
+        u: [M] float64 sorted points in [0, 1].
     """
+    last = int((w > 0).nonzero().max())
     cdf = torch.cumsum(w, 0)
-    cdf[-1] = 1.0
-    return torch.searchsorted(cdf, u, right=True).clamp_(max=w.numel() - 1)
+    cdf[last:] = 1.0
+    return torch.searchsorted(cdf, u, right=True).clamp_(max=last)
 
 
 def multinomial(w: torch.Tensor, n: int, generator: torch.Generator) -> torch.Tensor:
