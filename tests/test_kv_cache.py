@@ -120,6 +120,34 @@ def test_equal_full_blocks_merge_through_the_trie():
     assert manager.pool.live == 0 and len(manager.trie) == 0
 
 
+def test_truncation_into_a_full_block_drops_it_from_the_trie():
+    manager, store = KVCacheManager(block_size=3, bytes_per_block=3), PrefixStore(3)
+    table, plan = manager.open([1, 2, 3, 4, 5, 6])
+    store.apply(manager, table, plan, 0)
+    full = int(table.blocks[0, 1])
+    assert manager.trie.tokens(full) == (4, 5, 6)
+    manager.truncate(table, 5)
+    # the block holds positions 3 and 4 only for this row: its key (4, 5, 6) no longer describes it
+    assert full not in manager.trie and len(manager.trie) == 1
+    manager.check_invariants(table)
+    # growing back to a full block indexes it again, under the new tokens
+    plan = manager.append(table, torch.tensor([[9]]))
+    store.apply(manager, table, plan, 5)
+    assert manager.trie.tokens(int(table.blocks[0, 1])) == (4, 5, 9)
+    assert store.read(manager, table) == [prefixes([1, 2, 3, 4, 5, 9])]
+    manager.check_invariants(table)
+
+
+def test_invariants_catch_a_block_indexed_under_other_tokens():
+    manager, store = KVCacheManager(block_size=2, bytes_per_block=2), PrefixStore(2)
+    table, plan = manager.open([1, 2, 3, 4])
+    store.apply(manager, table, plan, 0)
+    # a row whose tokens no longer match its indexed block's key
+    table.tokens[0, 3] = 7
+    with pytest.raises(AssertionError, match="other tokens or partial"):
+        manager.check_invariants(table)
+
+
 # --- random operations against the reference model --------------------------------------------
 
 

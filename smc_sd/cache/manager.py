@@ -21,7 +21,9 @@ Invariants of a `BlockTables` (checked by `check_invariants` with the pool's and
 - `blocks` is [B, ceil(length / block_size)] and `tokens` is [B, length];
 - every listed block is live; for every block the number of listings across all open tables is
   at most its count (equal when this is the only user of the pool);
-- an indexed block listed at column j > 0 has the block at column j - 1 as its trie parent.
+- an indexed block listed at column j > 0 has the block at column j - 1 as its trie parent;
+- an indexed block listed at column j is full in that row, and its key's tokens are the row's
+  tokens j·block_size .. (j + 1)·block_size - 1 (a truncation that leaves it partial drops it).
 """
 
 from __future__ import annotations
@@ -179,6 +181,9 @@ class KVCacheManager:
         self._check_open(table)
         kept = math.ceil(length / self.block_size)
         self.trie.remove(self.pool.release(table.blocks[:, kept:]))
+        if length % self.block_size:
+            # the last kept blocks are partial now: their full keys no longer describe these rows
+            self.trie.remove(table.blocks[:, kept - 1].unique())
         table.blocks, table.tokens = table.blocks[:, :kept].clone(), table.tokens[:, :length].clone()
 
     def release(self, table: BlockTables) -> None:
@@ -212,11 +217,15 @@ class KVCacheManager:
             blocks = table.blocks
             assert blocks.shape == (table.batch_size, math.ceil(table.length / self.block_size))
             listings.index_add_(0, blocks.reshape(-1), torch.ones(blocks.numel(), dtype=torch.int64))
-            for b, j in ((b, j) for b in range(blocks.shape[0]) for j in range(1, blocks.shape[1])):
+            bs = self.block_size
+            for b, j in ((b, j) for b in range(blocks.shape[0]) for j in range(blocks.shape[1])):
                 block = int(blocks[b, j])
-                if block in self.trie:
-                    parent = self.trie.parent(block)
-                    assert parent == int(blocks[b, j - 1]), f"row {b} column {j}: trie parent differs"
+                if block not in self.trie:
+                    continue
+                if j > 0:
+                    assert self.trie.parent(block) == int(blocks[b, j - 1]), f"row {b} column {j}: trie parent differs"
+                tokens = tuple(table.tokens[b, j * bs : (j + 1) * bs].tolist())
+                assert tokens == self.trie.tokens(block), f"row {b} column {j}: indexed under other tokens or partial"
         for block in listings.nonzero().flatten().tolist():
             assert self.pool.count(block) >= int(listings[block]), f"block {block} listed beyond its count"
 

@@ -56,6 +56,10 @@ class TokenTrie:
         """The parent of an indexed block (ROOT for a first block)."""
         return self._node[block][0]
 
+    def tokens(self, block: int) -> tuple[int, ...]:
+        """The token ids an indexed block is keyed by."""
+        return self._node[block][1]
+
     def edges(self) -> list[tuple[int, int, tuple[int, ...]]]:
         """(parent, block, tokens) for every indexed block, parents ROOT or block ids."""
         return [(parent, block, tokens) for block, (parent, tokens) in self._node.items()]
