@@ -15,16 +15,23 @@ import torch
 from smc_sd.backends.base import LanguageModel
 
 
-def assert_logits_finite(logits: torch.Tensor, what: str = "logits") -> None:
-    """Law: logits hold no NaN and no +-inf (masking belongs to the caller, not the backend).
+def assert_logits_valid(logits: torch.Tensor, what: str = "logits") -> None:
+    """Law: logits hold no NaN and no +inf, and every row has a finite entry.
+
+    A backend may return -inf for a token of probability zero (the engine handles it everywhere:
+    such a token is never drawn and a weight that needs it becomes zero); temperatures and masks
+    belong to the caller.
 
     Args:
         logits: [..., V] float32.
         what: a name for the message.
     """
-    bad = ~torch.isfinite(logits)
+    bad = torch.isnan(logits) | (logits == float("inf"))
     if bad.any():
-        raise AssertionError(f"{what}: {int(bad.sum())} of {logits.numel()} entries are not finite")
+        raise AssertionError(f"{what}: {int(bad.sum())} of {logits.numel()} entries are NaN or +inf")
+    empty = ~torch.isfinite(logits).any(-1)
+    if empty.any():
+        raise AssertionError(f"{what}: {int(empty.sum())} rows have no finite entry (no token can follow)")
 
 
 def assert_extend_matches_full_forward(

@@ -73,7 +73,7 @@ def test_truncate_consistent(default_lm, prompt, continuation_rows, kept):
 def test_open_logits(default_lm, prompt):
     rows, logits = default_lm.open(prompt, 3)
     assert logits.shape == (default_lm.vocabulary.size,) and logits.dtype == torch.float32
-    testing.assert_logits_finite(logits)
+    testing.assert_logits_valid(logits)
     assert (rows.batch_size, rows.length) == (3, len(prompt))
     # logits leave inference mode, so callers may edit them in place
     logits[0] = 0.0

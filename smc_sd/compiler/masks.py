@@ -71,17 +71,24 @@ def apply_mask(scores: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
     return scores.masked_fill(~mask, float("-inf"))
 
 
-def masked_logprobs(logprobs: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-    """log q~ = log q + log m - log Z_q, row by row.
+def masked_logprobs(logprobs: torch.Tensor, mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """log q~ = log q + log m - log Z_q row by row, and the rows where Z_q = 0.
 
-    Rows whose mask is all zero (dead rows) are returned unmasked so that a token can still be
-    drawn to keep shapes static; the caller gives such rows weight zero.
+    Z_q = sum_v q(v) m(v) is zero when the mask allows no token (a dead end) and also when every
+    token it allows has probability zero. Such rows have no masked distribution: they are
+    returned unmasked, so that a token can still be drawn to keep shapes static, and flagged, so
+    that the caller gives them weight zero.
 
     Args:
         logprobs: [N, V] float32 log q.
         mask: [N, V] bool or None.
+
+    Returns:
+        ([N, V] float32 log q~, [N] bool rows with Z_q = 0), or (logprobs, None) when mask is None.
     """
     if mask is None:
-        return logprobs
-    usable = mask.any(-1, keepdim=True)
-    return torch.where(usable, torch.log_softmax(apply_mask(logprobs, mask), -1), logprobs)
+        return logprobs, None
+    masked = apply_mask(logprobs, mask)
+    empty = ~torch.isfinite(masked).any(-1)
+    # log_softmax of an all -inf row is NaN: such rows stay unmasked
+    return torch.where(empty[:, None], logprobs, torch.log_softmax(masked, -1)), empty

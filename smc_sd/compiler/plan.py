@@ -86,6 +86,52 @@ def _require(condition: bool, message: str) -> None:
         raise ValueError(message)
 
 
+def check_settings(program, schedule) -> None:
+    """Refuse every invalid setting of a program and a schedule that is judged without a model.
+
+    Reads numbers, names and which parts are present, never a model (`target.lm`, `proposal.lm`
+    may still be None), so the CLI runs it on the program it is about to build before any weights
+    load. `compile_program` runs it first.
+
+    Raises:
+        ValueError: naming the setting.
+    """
+    target, proposal = program.target, program.proposal
+    _require(schedule.particles >= 1, f"particles must be >= 1, got {schedule.particles}")
+    _require(schedule.max_tokens >= 1, f"max tokens must be >= 1, got {schedule.max_tokens}")
+    _require(0.0 <= schedule.ess_threshold <= 1.0, f"ESS threshold must lie in [0, 1], got {schedule.ess_threshold}")
+    _require(target.temperature >= 0, f"target temperature must be >= 0, got {target.temperature}")
+    _require(
+        target.temperature > 0 or program.verification == "accept-reject" or proposal is None,
+        "smc-sd needs a target temperature > 0 (at T = 0 the target is the single greedy string, which "
+        "sampled drafts almost never hit, so every particle would die); use ar or sd for greedy decoding",
+    )
+    _require(target.alpha > 0, f"alpha must be > 0, got {target.alpha}")
+    check_resampler(schedule.resampling)
+    if proposal is not None:
+        _require(proposal.draft_len >= 1, f"draft length K must be >= 1, got {proposal.draft_len}")
+        _require(proposal.temperature >= 0, f"draft temperature must be >= 0, got {proposal.temperature}")
+        _require(
+            proposal.temperature > 0 or program.verification == "accept-reject",
+            "smc-sd needs a draft temperature > 0: a greedy draft (T_d = 0) proposes one token, "
+            "so its importance weights cannot reach the rest of the target",
+        )
+    if program.verification == "accept-reject":
+        _require(proposal is not None, "exact speculative decoding needs a draft model")
+        _require(schedule.particles == 1, "exact speculative decoding runs one sequence; set particles to 1")
+        _require(target.alpha == 1.0, "exact speculative decoding samples p_T (alpha = 1); use smc-sd for alpha != 1")
+    else:
+        _require(program.verification == "importance", f"unknown verification {program.verification!r}; choose 'importance' or 'accept-reject'")
+    _require(
+        not target.potentials or program.verification == "importance",
+        "potentials reweight particles; exact speculative decoding has none to reweight, use smc-sd",
+    )
+    _require(
+        program.twist is None or program.verification == "importance",
+        "a twist reweights particles; exact speculative decoding has none to reweight, use smc-sd",
+    )
+
+
 def compile_program(program, schedule, prompt_length: int) -> StepPlan:
     """Check a program and a schedule and lower them to a StepPlan.
 
@@ -103,24 +149,11 @@ def compile_program(program, schedule, prompt_length: int) -> StepPlan:
 
     target, proposal = program.target, program.proposal
     _require(prompt_length >= 1, "the prompt is empty; give at least one token")
-    _require(schedule.particles >= 1, f"particles must be >= 1, got {schedule.particles}")
-    _require(schedule.max_tokens >= 1, f"max tokens must be >= 1, got {schedule.max_tokens}")
-    _require(0.0 <= schedule.ess_threshold <= 1.0, f"ESS threshold must lie in [0, 1], got {schedule.ess_threshold}")
-    _require(target.temperature > 0, f"target temperature must be > 0, got {target.temperature}")
-    _require(target.alpha > 0, f"alpha must be > 0, got {target.alpha}")
-    check_resampler(schedule.resampling)
+    check_settings(program, schedule)
     draft_len = 0
     if proposal is not None:
-        _require(proposal.draft_len >= 1, f"draft length K must be >= 1, got {proposal.draft_len}")
-        _require(proposal.temperature > 0, f"draft temperature must be > 0, got {proposal.temperature}")
         check_same_vocabulary(proposal.lm, target.lm)
         draft_len = proposal.draft_len
-    if program.verification == "accept-reject":
-        _require(proposal is not None, "exact speculative decoding needs a draft model")
-        _require(schedule.particles == 1, "exact speculative decoding runs one sequence; set particles to 1")
-        _require(target.alpha == 1.0, "exact speculative decoding samples p_T (alpha = 1); use smc-sd for alpha != 1")
-    else:
-        _require(program.verification == "importance", f"unknown verification {program.verification!r}; choose 'importance' or 'accept-reject'")
     # The last cycle may run past the budget by up to K + 1 positions before truncation.
     needed = prompt_length + schedule.max_tokens + draft_len + 1
     models = [target.lm] + ([proposal.lm] if proposal is not None else [])
@@ -133,14 +166,6 @@ def compile_program(program, schedule, prompt_length: int) -> StepPlan:
             )
     constraints = tuple(as_token_constraint(c, target.lm) for c in target.constraints)
     potentials = tuple(as_block_potential(p, target.lm) for p in target.potentials)
-    _require(
-        not potentials or program.verification == "importance",
-        "potentials reweight particles; exact speculative decoding has none to reweight, use smc-sd",
-    )
-    _require(
-        program.twist is None or program.verification == "importance",
-        "a twist reweights particles; exact speculative decoding has none to reweight, use smc-sd",
-    )
     return StepPlan(
         name=program.name,
         verification=program.verification,

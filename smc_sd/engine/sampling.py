@@ -10,16 +10,23 @@ import torch
 
 
 def tempered_logprobs(logits: torch.Tensor, temperature: float) -> torch.Tensor:
-    """log softmax(logits / T) along the last axis.
+    """log softmax(logits / T) along the last axis; at T = 0 its limit, greedy decoding.
+
+    As T -> 0, softmax(logits / T) tends to the point mass on the argmax (ties split evenly); at
+    T = 0 this returns the point mass on the first maximal entry: log p = 0 there, -inf elsewhere.
 
     Args:
         logits: [..., V] float32 raw logits.
-        temperature: T > 0.
+        temperature: T >= 0.
 
     Returns:
         [..., V] float32 log-probabilities.
     """
-    return torch.log_softmax(logits.float() / temperature, dim=-1)
+    logits = logits.float()
+    if temperature == 0:
+        greedy = torch.full_like(logits, float("-inf"))
+        return greedy.scatter_(-1, logits.argmax(-1, keepdim=True), 0.0)
+    return torch.log_softmax(logits / temperature, dim=-1)
 
 
 def sample_tokens(scores: torch.Tensor, generator: torch.Generator) -> torch.Tensor:

@@ -42,7 +42,9 @@ class DraftBlock:
         logq: [N, K, V] float32 log q~ at each drafted position: the draft at temperature T_d,
             masked by the constraints and renormalised (q itself when unconstrained).
         masks: [N, K, V] bool constraint masks at each position, or None when unconstrained.
-        dead: [N, K] bool, live positions whose mask allowed no token, or None.
+        dead: [N, K] bool, positions where q~ does not exist (the mask allowed no token, or only
+            tokens of draft probability zero), or None. Their tokens were drawn unmasked and the
+            particle must get weight zero.
     """
 
     tokens: torch.Tensor
@@ -80,10 +82,11 @@ def draft_block(
         if mask_at is not None:
             # [N, j]: the tokens drafted so far
             so_far = torch.stack(drafted, 1) if drafted else unseen.new_empty(unseen.shape[0], 0)
-            mask, dead_rows = mask_at(so_far)
-            logq_next = masked_logprobs(logq_next, mask)
+            mask, _ = mask_at(so_far)
+            # rows that are not live have all-one masks, so only live rows can lack mass
+            logq_next, no_mass = masked_logprobs(logq_next, mask)
             masks.append(mask)
-            dead.append(dead_rows)
+            dead.append(no_mass)
         token = sample_tokens(logq_next, generator)
         drafted.append(token)
         logq.append(logq_next)
@@ -174,7 +177,8 @@ def run_smc(plan, prompt: list[int], generator: torch.Generator, on_cycle=None) 
     try:
         # [V]: alpha log p_T of the first token, masked by the constraints
         first_scores = apply_mask(plan.alpha * tempered_logprobs(first_logits, plan.target_temperature), first_mask)
-        first = sample_tokens(first_scores.expand(n, -1), generator)
+        # where the mask leaves no mass every weight is zero below; draw unmasked to keep going
+        first = sample_tokens(first_scores.expand(n, -1) if torch.isfinite(first_scores).any() else first_logits.expand(n, -1), generator)
         # [N] float64, relative to the last resampling (twist included)
         logw = torch.full((n,), float(torch.logsumexp(first_scores, 0)), dtype=torch.float64)
         # [N] float64 log psi and log phi (block-end potentials) of each prefix, inside logw
@@ -210,6 +214,8 @@ def run_smc(plan, prompt: list[int], generator: torch.Generator, on_cycle=None) 
                 mask_seconds=plan.masker.seconds if plan.masker is not None else 0.0,
             )
 
+        if not torch.isfinite(logw).any():
+            raise AllParticlesDiedError("the constraints allow no first token of nonzero probability", result(logw, -math.inf, 0))
         while tokens.shape[1] < plan.max_tokens and not bool(finished.all()):
             budget = plan.max_tokens - tokens.shape[1]
             mask_at = None

@@ -45,9 +45,27 @@ def accept_or_resample(
     if rejected.numel() == 0:
         return k, int(sample_tokens(logp[k][None], generator))
     j = int(rejected[0])
-    # rejection needs p(x_j) < q(x_j), so max(0, p - q) has positive mass
-    residual = torch.clamp(logp[j].exp() - logq[j].exp(), min=0.0)
-    return j, int(torch.multinomial(residual, 1, generator=generator))
+    return j, residual_token(logp[j], logq[j], generator)
+
+
+def residual_token(logp: torch.Tensor, logq: torch.Tensor, generator: torch.Generator) -> int:
+    """One draw from the residual norm(max(0, p - q)) of a rejection.
+
+    A rejection needs p(x) < q(x), so in exact arithmetic the residual has positive mass. In
+    float32, p and q that agree to rounding can leave max(0, p - q) with none; then p = q up to
+    rounding, and the law of the emitted token, q·min(1, p/q) + (rejection mass)·residual, is p's:
+    the token is drawn from p.
+
+    Args:
+        logp, logq: [V] float32 log p and log q at the rejected position.
+
+    Returns:
+        The token id.
+    """
+    residual = torch.clamp(logp.exp() - logq.exp(), min=0.0)
+    if not residual.sum() > 0:
+        residual = logp.exp()
+    return int(torch.multinomial(residual, 1, generator=generator))
 
 
 def run_speculative(plan, prompt: list[int], generator: torch.Generator, on_cycle=None) -> Result:
@@ -58,11 +76,7 @@ def run_speculative(plan, prompt: list[int], generator: torch.Generator, on_cycl
     target_rows, first_logits = plan.target.open(prompt, 1)
     draft_rows = plan.draft.open(prompt, 1)[0]
     try:
-        first_logp = tempered_logprobs(first_logits, plan.target_temperature)[None]
-        first = sample_tokens(apply_mask(first_logp, None if first_mask is None else first_mask[None]), generator)
-        tokens = [int(first)]
-        # tokens of the prefix the draft has not read yet
-        draft_unseen = [tokens[0]]
+        tokens: list[int] = []
         cycles: list[CycleStats] = []
 
         def result() -> Result:
@@ -70,7 +84,7 @@ def run_speculative(plan, prompt: list[int], generator: torch.Generator, on_cycl
                 method=plan.name,
                 prompt=prompt,
                 particles=[tokens],
-                finished=[tokens[-1] == eos],
+                finished=[eos in tokens],
                 log_weights=torch.zeros(1, dtype=torch.float64),
                 log_ml=0.0,
                 chosen=0,
@@ -83,6 +97,13 @@ def run_speculative(plan, prompt: list[int], generator: torch.Generator, on_cycl
                 mask_seconds=plan.masker.seconds if plan.masker is not None else 0.0,
             )
 
+        # [1, V]: p~ of the first token
+        first_logp = apply_mask(tempered_logprobs(first_logits, plan.target_temperature)[None], first_mask)
+        if not torch.isfinite(first_logp).any():
+            raise AllParticlesDiedError("the constraints allow no first token of nonzero probability", result())
+        tokens.append(int(sample_tokens(first_logp, generator)))
+        # tokens of the prefix the draft has not read yet
+        draft_unseen = [tokens[0]]
         while len(tokens) < plan.max_tokens and tokens[-1] != eos:
             draft_length_before = draft_rows.length
             target_length_before = target_rows.length
@@ -94,12 +115,18 @@ def run_speculative(plan, prompt: list[int], generator: torch.Generator, on_cycl
                 target_rows.extend(torch.tensor([[tokens[-1]] + drafted.tolist()]))[0], plan.target_temperature
             )
             if mask_at is not None:
-                bonus_mask, bonus_dead = mask_at(draft.tokens)
-                if bool(draft.dead.any() or bonus_dead.any()):
-                    raise AllParticlesDiedError("the constraints left the sequence no valid token", result())
-                # [K + 1, V]: p~ = p m / Z_p at every position
-                logp = masked_logprobs(logp, torch.cat([draft.masks[0], bonus_mask], 0))
-            accepted, emitted = accept_or_resample(drafted, logq, logp, generator)
+                bonus_mask, _ = mask_at(draft.tokens)
+                # [K + 1, V]: p~ = p m / Z_p at every position; [K + 1] bool, positions with Z_p = 0
+                logp, no_target_mass = masked_logprobs(logp, torch.cat([draft.masks[0], bonus_mask], 0))
+                # where q~ does not exist the rule (with q~ = 0) rejects and emits from p~: the
+                # block ends there, exactly as if all drafts up to it were followed by a bonus
+                no_draft_mass = draft.dead[0].nonzero().flatten()
+                if no_draft_mass.numel() > 0:
+                    drafted, logq = drafted[: int(no_draft_mass[0])], logq[: int(no_draft_mass[0])]
+            accepted, emitted = accept_or_resample(drafted, logq, logp[: drafted.numel() + 1], generator)
+            # a position within the budget whose p~ does not exist: no valid continuation
+            if mask_at is not None and accepted < plan.max_tokens - len(tokens) and bool(no_target_mass[accepted]):
+                raise AllParticlesDiedError("the constraints left the sequence no token of nonzero probability", result())
             # the target keeps the last emitted token and the accepted drafts
             target_rows.truncate(target_length_before + 1 + accepted)
             # the draft read draft_unseen and drafted[:K-1]; keep what is still on the path

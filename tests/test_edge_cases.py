@@ -1,0 +1,129 @@
+"""Edge cases of the sampler: float32 round-off in exact SD, tokens of probability zero (-inf
+logits), and greedy decoding (T = 0)."""
+
+import math
+
+import pytest
+import torch
+
+from smc_sd import AllParticlesDiedError
+from smc_sd.backends.toy import ToyLM
+from smc_sd.engine.sampling import tempered_logprobs
+from smc_sd.engine.speculative import accept_or_resample
+from smc_sd.metrics import empirical, total_variation, tv_tolerance
+from smc_sd.program import Schedule
+from smc_sd.program.constraints import PredicateConstraint
+from smc_sd.programs import autoregressive, mask_at_verify, smc_speculative, speculative
+from smc_sd.testing import assert_logits_valid
+from tests.toy_programs import PROMPT, sample_completions, target_and_draft
+
+
+def test_rejection_with_a_residual_of_no_float32_mass_draws_from_p(monkeypatch):
+    # p and q agree to rounding: max(0, p - q) is all zero in float32 although p(0) < q(0)
+    logp = tempered_logprobs(torch.tensor([-0.7228844165802002, 2.866340160369873, -0.5655086040496826]), 1.0)
+    logq = tempered_logprobs(torch.tensor([-0.7228842377662659, 2.866340160369873, -0.5655086040496826]), 1.0)
+    assert torch.clamp(logp.exp() - logq.exp(), min=0).sum() == 0 and logp[0] < logq[0]
+    # uniforms at the top of [0, 1) force the (rare) rejection of the drafted token 0
+    monkeypatch.setattr(torch, "rand", lambda n, **kw: torch.full((n,), 1 - 1e-8, dtype=torch.float64))
+    generator = torch.Generator().manual_seed(0)
+    n = 4000
+    emitted = []
+    for _ in range(n):
+        accepted, token = accept_or_resample(torch.tensor([0]), logq[None], torch.stack([logp, logp]), generator)
+        assert accepted == 0
+        emitted.append(token)
+    exact = dict(enumerate(logp.exp().tolist()))
+    assert total_variation(empirical(emitted), exact) < tv_tolerance(exact, n)
+
+
+def test_logits_contract_allows_minus_inf_but_not_nan():
+    lm = ToyLM.random(4, seed=0, eos=False)
+    rows, logits = lm.open(PROMPT, 2)
+    assert_logits_valid(logits)
+    assert_logits_valid(rows.extend(torch.tensor([[0, 1], [2, 2]])))
+    assert logits[-1] == -math.inf
+    with pytest.raises(AssertionError, match="NaN"):
+        assert_logits_valid(torch.tensor([0.0, math.nan]))
+    with pytest.raises(AssertionError, match="no finite entry"):
+        assert_logits_valid(torch.full((2, 3), -math.inf))
+
+
+def test_exact_sd_with_minus_inf_logits_matches_the_target():
+    target = ToyLM.random(4, seed=5, eos=False)
+    draft = ToyLM.perturbed(target, 1.5)
+    exact, _ = target.completion_distribution(PROMPT, 3)
+    n = 4000
+    samples = sample_completions(speculative.program(target, draft, draft_len=2), Schedule(1, max_tokens=3), n)
+    assert total_variation(empirical(samples), exact) < tv_tolerance(exact, n)
+
+
+def only_zero_probability_completions():
+    """A toy LM whose EOS has probability zero, and the language {"ab"} that needs EOS after "ab"."""
+    lm = ToyLM(lambda context: torch.tensor([0.0, 0.0, -math.inf]), 3)
+    language = {(0, 1)}
+    constraint = PredicateConstraint(
+        lambda x: any(w[: len(x)] == tuple(x) for w in language), lambda x: tuple(x) in language, 3, 2
+    )
+    return lm, constraint
+
+
+@pytest.mark.parametrize("module", [smc_speculative, mask_at_verify], ids=["smc-sd", "mask-at-verify"])
+def test_a_mask_whose_tokens_all_have_probability_zero(module):
+    lm, constraint = only_zero_probability_completions()
+    program = module.program(lm, lm, draft_len=2, constraints=(constraint,))
+    # past the budget the all-zero position is never reached: the cut string comes back
+    result = program.run([0], Schedule(1, max_tokens=2), seed=0)
+    assert result.tokens == [0, 1] and torch.isfinite(result.log_weights).all()
+    # within the budget, EOS after "ab" is the only valid token and it has probability zero
+    with pytest.raises(AllParticlesDiedError):
+        program.run([0], Schedule(1, max_tokens=3), seed=0)
+
+
+def test_a_first_mask_of_zero_probability_is_a_clear_error():
+    lm = ToyLM(lambda context: torch.tensor([-math.inf, 0.0, 0.0]), 3)
+    only_a = PredicateConstraint(lambda x: all(t == 0 for t in x), lambda x: len(x) > 0, 3, 2)
+    for program in (smc_speculative.program(lm, lm, constraints=(only_a,)), mask_at_verify.program(lm, lm, constraints=(only_a,))):
+        with pytest.raises(AllParticlesDiedError, match="first token"):
+            program.run([0], Schedule(1, max_tokens=3), seed=0)
+
+
+def greedy_completion(lm: ToyLM, max_tokens: int) -> list[int]:
+    out: list[int] = []
+    while len(out) < max_tokens and (not out or out[-1] != lm.vocabulary.eos_token_id):
+        out.append(int(lm.logits(tuple(PROMPT + out)).argmax()))
+    return out
+
+
+def test_temperature_zero_is_greedy_for_ar_and_sd():
+    target, draft = target_and_draft(noise=2.0)
+    greedy = greedy_completion(target, 6)
+    assert len(greedy) > 2
+    ar = autoregressive.program(target, temperature=0.0)
+    sd = speculative.program(target, draft, temperature=0.0, draft_len=3)
+    greedy_draft_sd = speculative.program(target, draft, temperature=0.0, draft_temperature=0.0, draft_len=3)
+    for seed in range(20):
+        assert ar.run(PROMPT, Schedule(1, max_tokens=6), seed=seed).tokens == greedy
+        assert sd.run(PROMPT, Schedule(1, max_tokens=6), seed=seed).tokens == greedy
+        assert greedy_draft_sd.run(PROMPT, Schedule(1, max_tokens=6), seed=seed).tokens == greedy
+
+
+def test_sd_at_temperature_zero_accepts_a_draft_iff_it_is_the_argmax():
+    generator = torch.Generator().manual_seed(0)
+    for trial in range(200):
+        logits = torch.randn(4, 5, generator=generator)
+        # [4, V]: the greedy target at 3 drafted positions and after them
+        logp = tempered_logprobs(logits, 0.0)
+        logq = tempered_logprobs(torch.randn(3, 5, generator=generator), 1.0)
+        drafted = torch.where(torch.rand(3, generator=generator) < 0.6, logits[:3].argmax(-1), torch.randint(5, (3,), generator=generator))
+        hits = (drafted == logits[:3].argmax(-1)).tolist() + [False]
+        accepted, token = accept_or_resample(drafted, logq, logp, generator)
+        assert accepted == hits.index(False)
+        assert token == int(logits[accepted].argmax())
+
+
+def test_smc_sd_refuses_temperature_zero():
+    target, draft = target_and_draft()
+    with pytest.raises(ValueError, match="temperature > 0"):
+        smc_speculative.program(target, draft, temperature=0.0).run(PROMPT, Schedule())
+    with pytest.raises(ValueError, match="draft temperature > 0"):
+        smc_speculative.program(target, draft, draft_temperature=0.0).run(PROMPT, Schedule())
