@@ -2,6 +2,9 @@
 
 By default (`kv_cache="paged"`) rows are `PagedHFSequences` (`smc_sd.backends.paged_hf`): block
 tables over one pool per model, the prompt computed once, resampling copying block ids only.
+With `kv_cache="static"` rows are `StaticHFSequences` (`smc_sd.backends.static_hf`): fixed-shape
+KV buffers [B, heads, S, head_dim] per layer, a forward step with fixed shapes that `compile=True`
+runs through `torch.compile`, resampling a row gather on the device.
 With `kv_cache="copy"` every row owns a full copy of its KV: `HFSequences` holds B rows of equal
 length in one batched `DynamicCache` (keys and values [B, heads, length, head_dim] per layer).
 Rows never differ in length, so no padding and no attention mask are needed: every forward passes
@@ -37,8 +40,9 @@ from smc_sd.backends.base import (
     check_truncate,
 )
 from smc_sd.backends.paged_hf import DEFAULT_BLOCK_SIZE, PagedHFSequences, PagedKV
+from smc_sd.backends.static_hf import StaticHFSequences, StaticRuntime
 
-KV_CACHES = ("paged", "copy")
+KV_CACHES = ("paged", "copy", "static")
 
 
 class HFLanguageModel(LanguageModel):
@@ -47,14 +51,28 @@ class HFLanguageModel(LanguageModel):
     Args:
         model: a transformers `*ForCausalLM`; put in eval mode here.
         tokenizer: its tokenizer; `eos_token_id` and `get_vocab()` are used.
-        kv_cache: "paged" (rows share KV blocks through a token trie) or "copy" (every row owns a
-            full copy of its KV; kept for comparison).
+        kv_cache: "paged" (rows share KV blocks through a token trie), "copy" (every row owns a
+            full copy of its KV; kept for comparison) or "static" (fixed-shape buffers per row).
         block_size: positions per KV block of the paged cache.
+        compile: static cache only: run its fixed-shape step through `torch.compile`.
+        static_length: static cache only: positions per row to allocate at open (None: the
+            prompt's length plus `static_hf.DEFAULT_HEADROOM`, rounded up).
     """
 
-    def __init__(self, model, tokenizer, kv_cache: str = "paged", block_size: int = DEFAULT_BLOCK_SIZE):
+    def __init__(
+        self,
+        model,
+        tokenizer,
+        kv_cache: str = "paged",
+        block_size: int = DEFAULT_BLOCK_SIZE,
+        compile: bool = False,
+        static_length: int | None = None,
+    ):
         if kv_cache not in KV_CACHES:
             raise ValueError(f"kv_cache must be one of {', '.join(KV_CACHES)}, got {kv_cache!r}")
+        self.compile, self.static_length = compile, static_length
+        # the static path's runtimes (compiled or not), made at the first static open
+        self._static: dict[bool, StaticRuntime] = {}
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.kv_cache = kv_cache
@@ -181,6 +199,14 @@ class HFLanguageModel(LanguageModel):
             ContextOverflowError: if the prompt is longer than `max_length`.
         """
         check_open(prompt, batch_size, self.max_length)
+        if self.compile and self.kv_cache != "static":
+            raise ValueError(f"compile=True needs kv_cache='static', got kv_cache={self.kv_cache!r}")
+        if self.kv_cache == "static":
+            if type(self)._forward is not HFLanguageModel._forward:
+                raise ValueError(f"kv_cache='static' runs the model's own head; {type(self).__name__} changes its logits")
+            if self.compile not in self._static:
+                self._static[self.compile] = StaticRuntime(self.model, self._cache_kwarg, self.compile)
+            return StaticHFSequences.open(self._static[self.compile], prompt, batch_size, self.max_length, self.static_length)
         if self.kv_cache == "paged":
             if self._paged is None:
                 self._paged = PagedKV(self.model.config, self.model.dtype, self.device, self.block_size)

@@ -1,0 +1,177 @@
+"""The static (fixed-shape, compilable) KV path of the hf backend, on tiny random Llamas built in
+code: the backend laws, agreement with the copy cache, the compiled step against the eager one,
+and exact speculative decoding through it (enumerated 2-token completions)."""
+
+import time
+import types
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from smc_sd import Schedule, testing
+from smc_sd.backends.hf import HFLanguageModel
+from smc_sd.metrics import empirical, total_variation, tv_tolerance
+from smc_sd.programs import autoregressive, smc_speculative, speculative
+
+# fp32 batching noise of these tiny models is ~1e-5
+ATOL = 1e-4
+EOS = 0
+PROMPT = [3, 1, 4, 1, 5]
+
+
+def tiny_llama(vocab: int = 64, seed: int = 0, layers: int = 2) -> LlamaForCausalLM:
+    """A random 2-layer Llama; a wide initialisation makes its next-token distributions peaked."""
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, initializer_range=0.5,
+    )
+    return LlamaForCausalLM(config).eval()
+
+
+def tokenizer(vocab: int):
+    """The least a backend needs of a tokenizer: EOS, the vocabulary map and decode."""
+    return types.SimpleNamespace(
+        eos_token_id=EOS,
+        get_vocab=lambda: {f"t{i}": i for i in range(vocab)},
+        decode=lambda ids, **_: " ".join(map(str, ids)),
+    )
+
+
+def lm(model, **options) -> HFLanguageModel:
+    return HFLanguageModel(model, tokenizer(model.config.vocab_size), **options)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_llama()
+
+
+@pytest.fixture(scope="module")
+def continuation():
+    # [2, 6] int64: two different rows
+    return torch.randint(1, 64, (2, 6), generator=torch.Generator().manual_seed(1))
+
+
+def test_extend_matches_full_forward(model, continuation):
+    testing.assert_extend_matches_full_forward(lm(model, kv_cache="static"), PROMPT, continuation, ATOL)
+
+
+@pytest.mark.parametrize("ancestors", [[1, 1, 0], [0, 0], [1, 0]], ids=["fork", "shrink", "permute"])
+def test_select_consistent(model, continuation, ancestors):
+    testing.assert_select_consistent(lm(model, kv_cache="static"), PROMPT, continuation, torch.tensor(ancestors), ATOL)
+
+
+@pytest.mark.parametrize("kept", [0, 3])
+def test_truncate_consistent(model, continuation, kept):
+    testing.assert_truncate_consistent(lm(model, kv_cache="static"), PROMPT, continuation, kept, ATOL)
+
+
+def test_static_logits_equal_the_copy_cache_through_growth_select_and_truncate(model, continuation):
+    # capacity 8 < the 12 positions used at most: the rows move to larger buffers on the way
+    static, copy = lm(model, kv_cache="static", static_length=8), lm(model, kv_cache="copy")
+    (a, first_a), (b, first_b) = static.open(PROMPT, 2), copy.open(PROMPT, 2)
+    deviations = [(first_a - first_b).abs().max()]
+    steps = [("extend", continuation[:, :2]), ("select", torch.tensor([1, 1])), ("extend", continuation[:, 2:5]),
+             ("truncate", 8), ("extend", continuation[:, 3:]), ("select", torch.tensor([1, 0]))]
+    for op, arg in steps + [("extend", continuation[:, :1])]:
+        if op == "extend":
+            deviations.append((a.extend(arg) - b.extend(arg)).abs().max())
+        else:
+            getattr(a, op)(arg), getattr(b, op)(arg)
+        a.check_invariants()
+        assert (a.batch_size, a.length) == (b.batch_size, b.length)
+    assert a.capacity > 8
+    assert max(deviations) <= ATOL
+    memory = a.memory()
+    # at most 2 rows x 12 positions were in use, each keys and values of 2 layers x 2 heads x 8
+    # dimensions x 4 bytes; the buffers held more
+    assert memory["naive_peak_bytes"] == 2 * 12 * (2 * 2 * 2 * 8 * 4)
+    assert memory["peak_bytes"] >= memory["naive_peak_bytes"]
+    a.close(), b.close()
+    assert a.memory()["live_bytes"] == 0
+    with pytest.raises(ValueError, match="closed"):
+        a.extend(continuation[:, :1])
+
+
+def test_compiled_step_gives_the_eager_steps_logits(model, continuation):
+    """One shape, [2, 3] at capacity 128, compiled once (about 4 s on this project's CPU) and
+    replayed at three different start positions, before and after a select and a truncate."""
+    eager, compiled = lm(model, kv_cache="static"), lm(model, kv_cache="static", compile=True)
+    rows = {name: backend.open(PROMPT, 2)[0] for name, backend in (("eager", eager), ("compiled", compiled))}
+    graphs_before = counters["stats"]["unique_graphs"]
+    started = time.perf_counter()
+    for step, tokens in enumerate([continuation[:, :3], continuation[:, 3:], continuation[:, 1:4]]):
+        logits = {name: r.extend(tokens) for name, r in rows.items()}
+        deviation = (logits["eager"] - logits["compiled"]).abs().max().item()
+        assert deviation <= ATOL, f"step {step}: compiled logits differ by {deviation:.3g}"
+        for r in rows.values():
+            r.select(torch.tensor([1, 0]))
+            r.truncate(r.length - 1)
+    assert time.perf_counter() - started < 120, "compiling one small shape took over two minutes"
+    # one graph for the one shape: positions and the KV are read on the device, not baked in
+    assert counters["stats"]["unique_graphs"] - graphs_before == 1
+
+
+def test_compile_needs_the_static_cache(model):
+    with pytest.raises(ValueError, match="compile=True needs kv_cache='static'"):
+        lm(model, compile=True).open(PROMPT, 1)
+    with pytest.raises(ValueError, match="static_length 5 leaves no position"):
+        lm(model, kv_cache="static", static_length=5).open(PROMPT, 1)
+
+
+def exact_two_token_distribution(model) -> dict[tuple[int, ...], float]:
+    """p_T over completions of at most 2 tokens, enumerated with the copy cache (another code
+    path): p(x1) for x1 = EOS, else p(x1) p(x2 | x1)."""
+    reference = lm(model, kv_cache="copy")
+    vocab = model.config.vocab_size
+    rows, first = reference.open(PROMPT, vocab)
+    # [V, V]: row x1 is p(. | prompt, x1)
+    second = torch.softmax(rows.extend(torch.arange(vocab)[:, None])[:, 0].double(), -1)
+    rows.close()
+    p1 = torch.softmax(first.double(), -1)
+    exact = {(EOS,): float(p1[EOS])}
+    for x1 in range(1, vocab):
+        for x2 in range(vocab):
+            exact[(x1, x2)] = float(p1[x1] * second[x1, x2])
+    return exact
+
+
+def sample(program, schedule: Schedule, runs: int) -> list[tuple[int, ...]]:
+    return [tuple(program.run(PROMPT, schedule, seed=s).tokens) for s in range(runs)]
+
+
+def test_exact_speculative_decoding_through_the_static_cache_matches_p_t():
+    target, draft = tiny_llama(vocab=12, seed=2), tiny_llama(vocab=12, seed=3, layers=1)
+    exact = exact_two_token_distribution(target)
+    # the draft alone is far from the target, so matching p_T is no accident
+    assert total_variation(exact_two_token_distribution(draft), exact) > 0.4
+    n = 3000
+    program = speculative.program(lm(target, kv_cache="static"), lm(draft, kv_cache="static"), draft_len=2)
+    samples = sample(program, Schedule(1, max_tokens=2), n)
+    assert total_variation(empirical(samples), exact) < tv_tolerance(exact, n)
+
+
+@pytest.mark.parametrize("method", ["ar", "smc-sd"])
+def test_engine_runs_unchanged_on_the_static_cache(model, method):
+    """ar and smc-sd give the same tokens on the static and the copy cache (same seed).
+
+    Logits differ by ~1e-6 between the caches, so the schedule keeps tau = 0.5: at tau = 1 ar's
+    equal weights put ESS on the edge N vs N - 1e-7, and a flipped resampling decision shifts
+    the random stream."""
+    draft = tiny_llama(seed=5, layers=1)
+
+    def run(kv_cache):
+        target = lm(model, kv_cache=kv_cache)
+        if method == "ar":
+            program = autoregressive.program(target)
+        else:
+            program = smc_speculative.program(target, lm(draft, kv_cache=kv_cache), draft_len=3)
+        result = program.run(PROMPT, Schedule(4, max_tokens=12), seed=0)
+        return result.particles, result.resamples
+
+    (static_particles, resamples), (copy_particles, _) = run("static"), run("copy")
+    assert static_particles == copy_particles
+    assert method == "ar" or resamples > 0
