@@ -8,7 +8,7 @@ import torch
 
 from smc_sd import AllParticlesDiedError
 from smc_sd.backends.toy import ToyLM
-from smc_sd.engine.sampling import tempered_logprobs
+from smc_sd.engine.sampling import sample_tokens, tempered_logprobs
 from smc_sd.engine.speculative import accept_or_resample
 from smc_sd.metrics import empirical, total_variation, tv_tolerance
 from smc_sd.program import Schedule
@@ -23,8 +23,14 @@ def test_rejection_with_a_residual_of_no_float32_mass_draws_from_p(monkeypatch):
     logp = tempered_logprobs(torch.tensor([-0.7228844165802002, 2.866340160369873, -0.5655086040496826]), 1.0)
     logq = tempered_logprobs(torch.tensor([-0.7228842377662659, 2.866340160369873, -0.5655086040496826]), 1.0)
     assert torch.clamp(logp.exp() - logq.exp(), min=0).sum() == 0 and logp[0] < logq[0]
-    # uniforms at the top of [0, 1) force the (rare) rejection of the drafted token 0
-    monkeypatch.setattr(torch, "rand", lambda n, **kw: torch.full((n,), 1 - 1e-8, dtype=torch.float64))
+    # acceptance uniforms (torch.rand(k, ...)) at the top of [0, 1) force the (rare) rejection of
+    # the drafted token 0; the token draws (torch.rand(shape, ...)) stay random
+    real_rand = torch.rand
+
+    def rand(size, **kw):
+        return torch.full((size,), 1 - 1e-8, dtype=torch.float64) if isinstance(size, int) else real_rand(size, **kw)
+
+    monkeypatch.setattr(torch, "rand", rand)
     generator = torch.Generator().manual_seed(0)
     n = 4000
     emitted = []
@@ -34,6 +40,19 @@ def test_rejection_with_a_residual_of_no_float32_mass_draws_from_p(monkeypatch):
         emitted.append(token)
     exact = dict(enumerate(logp.exp().tolist()))
     assert total_variation(empirical(emitted), exact) < tv_tolerance(exact, n)
+
+
+def test_sample_tokens_follows_the_softmax_and_never_draws_probability_zero(monkeypatch):
+    generator = torch.Generator().manual_seed(0)
+    scores = torch.tensor([[1.0, -math.inf, 0.5, 2.0, -math.inf], [-math.inf, 0.0, -3.0, -math.inf, -math.inf]])
+    n = 6000
+    draws = torch.stack([sample_tokens(scores, generator) for _ in range(n)])
+    for row in range(2):
+        exact = dict(enumerate(torch.softmax(scores[row], -1).tolist()))
+        assert total_variation(empirical(draws[:, row].tolist()), exact) < tv_tolerance(exact, n)
+    # uniforms at the very top of [0, 1) still land on the last token of positive probability
+    monkeypatch.setattr(torch, "rand", lambda shape, **kw: torch.full(shape, 1 - 2**-53, dtype=torch.float64))
+    assert sample_tokens(scores, generator).tolist() == [3, 2]
 
 
 def test_logits_contract_allows_minus_inf_but_not_nan():

@@ -30,7 +30,14 @@ def tempered_logprobs(logits: torch.Tensor, temperature: float) -> torch.Tensor:
 
 
 def sample_tokens(scores: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
-    """One draw per row from the distribution ∝ exp(scores).
+    """One draw per row from the distribution ∝ exp(scores), by inverse CDF.
+
+    With w = exp(scores - max) and the float64 running sum c_j = w_0 + ... + w_j, the draw is the
+    index j with c_{j-1} <= u < c_j for u uniform on [0, c_{V-1}): P(j) = w_j / c_{V-1} up to
+    float64 rounding, and a token of weight zero (an empty step) is never drawn. u is kept below
+    c_{V-1} so that round-off cannot push it past the last token. One pass of exp, one cumulative
+    sum and a binary search: several times cheaper than `torch.multinomial` over 49,152 tokens,
+    and free of host synchronisation.
 
     Args:
         scores: [B, V] float unnormalised log-probabilities; each row has a finite entry.
@@ -39,8 +46,13 @@ def sample_tokens(scores: torch.Tensor, generator: torch.Generator) -> torch.Ten
     Returns:
         [B] int64 token ids.
     """
-    probs = torch.exp(scores - scores.amax(dim=-1, keepdim=True))
-    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    # [B, V] float32 weights, their [B, V] float64 running sums
+    weights = torch.exp(scores - scores.amax(dim=-1, keepdim=True))
+    cdf = weights.cumsum(-1, dtype=torch.float64)
+    total = cdf[:, -1:]
+    u = torch.rand(total.shape, generator=generator, dtype=torch.float64, device=scores.device) * total
+    u = torch.minimum(u, torch.nextafter(total, torch.zeros_like(total)))
+    return torch.searchsorted(cdf, u, right=True).squeeze(-1)
 
 
 def gather_last(values: torch.Tensor, index: torch.Tensor) -> torch.Tensor:

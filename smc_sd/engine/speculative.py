@@ -64,8 +64,8 @@ def residual_token(logp: torch.Tensor, logq: torch.Tensor, generator: torch.Gene
     """
     residual = torch.clamp(logp.exp() - logq.exp(), min=0.0)
     if not residual.sum() > 0:
-        residual = logp.exp()
-    return int(torch.multinomial(residual, 1, generator=generator))
+        return int(sample_tokens(logp[None], generator))
+    return int(sample_tokens(residual.log()[None], generator))
 
 
 def run_speculative(plan, prompt: list[int], generator: torch.Generator, on_cycle=None) -> Result:
@@ -95,6 +95,8 @@ def run_speculative(plan, prompt: list[int], generator: torch.Generator, on_cycl
                 decode=plan.target.decode,
                 kv=kv_memory(target_rows, draft_rows),
                 mask_seconds=plan.masker.seconds if plan.masker is not None else 0.0,
+                # under constraints a string cut by the budget may be incomplete
+                complete=plan.masker is None or tokens[-1] == eos or bool(plan.masker.complete([tokens])[0]),
             )
 
         # [1, V]: p~ of the first token
