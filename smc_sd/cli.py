@@ -361,9 +361,10 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return generate(args)
-    except (ValueError, OSError) as error:
-        # bad input; TokenizerMismatchError and ContextOverflowError (found once the models have
-        # loaded) are ValueErrors too
+    except (ValueError, FileNotFoundError) as error:
+        # bad input (FileNotFoundError: the default model's package is missing);
+        # TokenizerMismatchError and ContextOverflowError, found once the models have loaded, are
+        # ValueErrors too
         print(f"smc-sd: error: {one_line(error)}", file=sys.stderr)
         return 2
     except AllParticlesDiedError as error:
