@@ -1,5 +1,5 @@
 """Constrained SMC-SD: the target is p_T(x)^alpha conditioned on x matching a regex, a Lark grammar
-or a JSON schema, each a genlm-control potential over bytes coerced to the LM's tokens.
+or a JSON schema, each a genlm-control potential over bytes whose masks come from llguidance.
 
 The draft proposes only tokens that keep the constraint satisfiable and the bonus token is drawn
 from the masked target; the masked normalisers in the weights correct the local projection toward
@@ -16,26 +16,28 @@ from smc_sd.programs import smc_speculative
 DEFAULT_PARTICLES = 4
 
 
-def potentials(*, regex: str | None = None, grammar: str | None = None, json_schema: dict | None = None) -> tuple:
-    """The genlm-control potentials of the given constraints (any combination, conjoined).
+def potentials(*, regex: str | None = None, grammar: str | None = None, json_schema=None) -> tuple:
+    """The constraints given (any combination, conjoined), each a genlm-control potential over
+    bytes lowered to llguidance masks.
 
     Args:
-        regex: a regular expression the whole output must match (`BoolFSA.from_regex`).
-        grammar: a Lark grammar the output must parse under (`BoolCFG.from_lark`).
-        json_schema: a JSON schema the output must validate against (a `BoolFSA` when the schema
-            translates to a regex, else genlm-control's `JsonSchema`).
-    """
-    from genlm.control import BoolCFG, BoolFSA
+        regex: a regular expression the whole output must match (`Regex`).
+        grammar: a Lark grammar the output must parse under (`Grammar`).
+        json_schema: a JSON schema (dict, JSON text or file path) the output must validate
+            against (`JsonSchema`).
 
-    from smc_sd.program.json_regex import json_schema_potential
+    Raises:
+        ValueError: naming the problem, for an invalid regex, grammar or schema.
+    """
+    from smc_sd.program.grammars import Grammar, JsonSchema, Regex
 
     out = []
     if regex is not None:
-        out.append(BoolFSA.from_regex(regex))
+        out.append(Regex(regex))
     if grammar is not None:
-        out.append(BoolCFG.from_lark(grammar))
+        out.append(Grammar(grammar))
     if json_schema is not None:
-        out.append(json_schema_potential(json_schema))
+        out.append(JsonSchema(json_schema))
     return tuple(out)
 
 
@@ -45,7 +47,7 @@ def program(
     *,
     regex: str | None = None,
     grammar: str | None = None,
-    json_schema: dict | None = None,
+    json_schema=None,
     **options,
 ) -> Program:
     """SMC-SD under the given constraints; `options` are those of `smc_speculative.program`."""

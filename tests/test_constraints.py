@@ -179,17 +179,18 @@ def test_unsatisfiable_constraint_is_reported():
         ({"type": "object", "properties": {"ok": {"type": "boolean"}, "x": {"type": "null"}}}, '{"ok":true,"x":null}', '{"ok":1,"x":null}'),
     ],
 )
-def test_json_schema_regex_accepts_only_valid_documents(schema, good, bad):
+def test_json_schema_potential_accepts_only_valid_documents(schema, good, bad):
+    import asyncio
     import json
-    import re
 
     import jsonschema
 
-    from smc_sd.program.json_regex import schema_regex
+    from smc_sd.program.grammars import JsonSchema
 
-    pattern = schema_regex(schema)
-    assert re.fullmatch(pattern, good) and re.fullmatch(pattern, bad) is None
+    potential = JsonSchema(schema)
     jsonschema.validate(json.loads(good), schema)
+    assert asyncio.run(potential.complete(good.encode())) == 0.0
+    assert asyncio.run(potential.complete(bad.encode())) == float("-inf")
 
 
 def test_potential_twist_scores_decoded_prefixes():

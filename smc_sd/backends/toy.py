@@ -109,8 +109,9 @@ class ToyLM(LanguageModel):
         Returns:
             ({completion: pi(completion)}, log Z) with pi ∝ prod_t p_T(x_t | x_<t)^alpha · phi(x)
             over completions ending in EOS or of length max_tokens, and Z the sum of the
-            unnormalised weights (phi of a completion cut by max_tokens: 1 iff it is a viable
-            prefix).
+            unnormalised weights. phi of a completion cut by max_tokens is 1 iff it is itself a
+            complete string (the constraint allows EOS after it); with `local`, cut completions
+            keep their locally projected probability (mask-at-verify returns them as they are).
         """
         eos = self._vocabulary.eos_token_id
         log_weights: dict[tuple[int, ...], float] = {}
@@ -126,8 +127,11 @@ class ToyLM(LanguageModel):
                 if lp == -math.inf:
                     continue
                 extended, w = completion + (token,), logw + lp
-                if token == eos or len(extended) == max_tokens:
+                if token == eos:
                     log_weights[extended] = w
+                elif len(extended) == max_tokens:
+                    if constraint is None or local or bool(constraint.mask([list(extended)])[0, eos]):
+                        log_weights[extended] = w
                 else:
                     frontier.append((extended, w))
         log_z = math.log(sum(math.exp(w) for w in log_weights.values()))

@@ -27,12 +27,19 @@ class Masker:
     Args:
         constraints: the boolean constraints (at least one).
         vocab_size: V.
+        eos: the EOS id.
+
+    Attributes:
+        calls, seconds: mask calls made and their total wall time.
+        row_seconds: per call, its wall time divided by its live rows (seconds per
+            particle-position), for latency percentiles.
     """
 
-    def __init__(self, constraints: tuple[TokenConstraint, ...], vocab_size: int):
-        self.constraints, self.vocab_size = constraints, vocab_size
+    def __init__(self, constraints: tuple[TokenConstraint, ...], vocab_size: int, eos: int):
+        self.constraints, self.vocab_size, self.eos = constraints, vocab_size, eos
         self.calls = 0
         self.seconds = 0.0
+        self.row_seconds: list[float] = []
 
     def __call__(self, prefixes: list[list[int]], live: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Masks of the live rows.
@@ -54,9 +61,18 @@ class Masker:
             for constraint in self.constraints:
                 mask[rows] &= constraint.mask(live_prefixes)
         dead = live & ~mask.any(1)
+        elapsed = time.perf_counter() - started
         self.calls += 1
-        self.seconds += time.perf_counter() - started
+        self.seconds += elapsed
+        if rows:
+            self.row_seconds.append(elapsed / len(rows))
         return mask, dead
+
+    def complete(self, prefixes: list[list[int]]) -> torch.Tensor:
+        """[B] bool: whether each prefix is a complete string of every constraint (EOS allowed)."""
+        if not prefixes:
+            return torch.zeros(0, dtype=torch.bool)
+        return self(prefixes, torch.ones(len(prefixes), dtype=torch.bool))[0][:, self.eos]
 
 
 def apply_mask(scores: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:

@@ -145,7 +145,7 @@ def compile_program(program, schedule, prompt_length: int) -> StepPlan:
         TokenizerMismatchError: when draft and target do not share a tokenizer.
         ContextOverflowError: when prompt + generation cannot fit the models' context windows.
     """
-    from smc_sd.program.potentials import as_token_constraint
+    from smc_sd.program.potentials import as_token_constraint, completion_checks
 
     target, proposal = program.target, program.proposal
     _require(prompt_length >= 1, "the prompt is empty; give at least one token")
@@ -166,6 +166,14 @@ def compile_program(program, schedule, prompt_length: int) -> StepPlan:
             )
     constraints = tuple(as_token_constraint(c, target.lm) for c in target.constraints)
     potentials = tuple(as_block_potential(p, target.lm) for p in target.potentials)
+    # the exact test of what llguidance only over-approximates is phi at completion
+    checks = completion_checks(target.constraints, target.lm)
+    _require(
+        not checks or program.verification == "importance",
+        "this JSON schema is only over-approximated by its masks and checked at completion, which "
+        "reweights particles; exact speculative decoding (mask-at-verify) cannot, use smc-sd",
+    )
+    potentials += checks
     return StepPlan(
         name=program.name,
         verification=program.verification,
@@ -179,7 +187,7 @@ def compile_program(program, schedule, prompt_length: int) -> StepPlan:
         ess_threshold=schedule.ess_threshold,
         resampling=schedule.resampling,
         max_tokens=schedule.max_tokens,
-        masker=Masker(constraints, target.lm.vocabulary.size) if constraints else None,
+        masker=Masker(constraints, target.lm.vocabulary.size, target.lm.vocabulary.eos_token_id) if constraints else None,
         twist=program.twist,
         potential=ProductPotential(potentials) if potentials else None,
     )

@@ -62,6 +62,9 @@ class Result:
         decode: token ids to text.
         kv: KV-cache bytes of target and draft together (`kv_memory`), or None without a KV cache.
         mask_seconds: wall time spent computing constraint masks (0 when unconstrained).
+        complete: whether the returned particle's string satisfies the constraints (it ended
+            with EOS or its string is complete); False only when no particle was complete at
+            the token budget. Always True without constraints.
     """
 
     method: str
@@ -78,6 +81,7 @@ class Result:
     decode: Callable[[list[int]], str] = field(repr=False, default=str)
     kv: dict | None = None
     mask_seconds: float = 0.0
+    complete: bool = True
 
     @property
     def tokens(self) -> list[int]:
@@ -153,6 +157,7 @@ class Result:
             "ess": [c.ess for c in self.cycles],
             "log_z": self.log_ml,
             "finished": self.finished[self.chosen],
+            "complete": self.complete,
             "kv_peak_bytes": None if self.kv is None else self.kv["peak_bytes"],
             "kv_naive_bytes": None if self.kv is None else self.kv["naive_peak_bytes"],
             "mask_seconds": self.mask_seconds,

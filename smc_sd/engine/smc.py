@@ -154,6 +154,30 @@ def first_token_mask(masker) -> torch.Tensor | None:
     return mask[0]
 
 
+def complete_at_budget(plan, tokens: torch.Tensor, finished: torch.Tensor, logw: torch.Tensor, log_phi: torch.Tensor, eos: int) -> torch.Tensor:
+    """The final weights under the token budget: phi is 0 on a string that is not complete.
+
+    A particle without EOS is complete iff every constraint allows EOS after its string; its
+    block-end potentials then give their complete score in place of the prefix score. Without
+    constraints every string is complete and the weights are returned unchanged.
+
+    Args:
+        tokens: [N, S] int64 generated tokens; finished: [N] bool, particles that produced EOS.
+        logw, log_phi: [N] float64 log weights and the block-end potentials' scores inside them.
+
+    Returns:
+        [N] float64 log weights, -inf on particles whose string is not complete.
+    """
+    if plan.masker is None:
+        return logw
+    cut = (~finished & torch.isfinite(logw)).nonzero().flatten()
+    complete = finished.clone()
+    complete[cut] = plan.masker.complete(tokens[cut].tolist())
+    if plan.potential is not None:
+        logw, _ = rescore(plan.potential, tokens, complete, complete & ~finished, logw, log_phi, eos)
+    return logw.masked_fill(~complete, -math.inf)
+
+
 def run_smc(plan, prompt: list[int], generator: torch.Generator, on_cycle=None) -> Result:
     """Run an importance-verified StepPlan (SMC-SD; K = 0 is SMC with the target as proposal).
 
@@ -164,6 +188,10 @@ def run_smc(plan, prompt: list[int], generator: torch.Generator, on_cycle=None) 
     at every block end (complete scores for finished particles) and stay in the final weights.
     With a twist, log w += log psi(first token) at the first token and log psi(new prefix) -
     log psi(old prefix) at every block end; the last twist is removed from the final weights.
+
+    The token budget is part of the target (`complete_at_budget`): a particle whose string is not
+    complete at the end gets weight zero; when no particle is complete an incomplete one is
+    returned with `complete` False and log Z_hat = -inf.
 
     Returns:
         The Result; raises AllParticlesDiedError (carrying the partial Result) if every weight
@@ -196,7 +224,7 @@ def run_smc(plan, prompt: list[int], generator: torch.Generator, on_cycle=None) 
         cycles: list[CycleStats] = []
         draft_passes = 0
 
-        def result(final_logw: torch.Tensor, final_log_z: float, chosen: int) -> Result:
+        def result(final_logw: torch.Tensor, final_log_z: float, chosen: int, complete: bool = True) -> Result:
             return Result(
                 method=plan.name,
                 prompt=prompt,
@@ -212,6 +240,7 @@ def run_smc(plan, prompt: list[int], generator: torch.Generator, on_cycle=None) 
                 decode=plan.target.decode,
                 kv=kv_memory(target_rows, draft_rows),
                 mask_seconds=plan.masker.seconds if plan.masker is not None else 0.0,
+                complete=complete,
             )
 
         if not torch.isfinite(logw).any():
@@ -283,8 +312,13 @@ def run_smc(plan, prompt: list[int], generator: torch.Generator, on_cycle=None) 
         logw = logw - log_twist
         if not torch.isfinite(logw).any():
             raise AllParticlesDiedError("every particle reached weight zero", result(logw, -math.inf, 0))
-        chosen = int(torch.multinomial(normalised_weights(logw), 1, generator=generator))
-        return result(logw, log_z + log_mean_weight(logw), chosen)
+        final_logw = complete_at_budget(plan, tokens, finished, logw, log_phi, eos)
+        if not torch.isfinite(final_logw).any():
+            # no particle holds a complete string: return an incomplete one, marked as such
+            chosen = int(torch.multinomial(normalised_weights(logw), 1, generator=generator))
+            return result(logw, -math.inf, chosen, complete=False)
+        chosen = int(torch.multinomial(normalised_weights(final_logw), 1, generator=generator))
+        return result(final_logw, log_z + log_mean_weight(final_logw), chosen)
     finally:
         target_rows.close()
         if draft_rows is not None:

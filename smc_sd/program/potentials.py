@@ -1,25 +1,18 @@
 """genlm-control potentials as token constraints of one language model.
 
-A boolean genlm-control `Potential` over bytes (`BoolFSA.from_regex`, `BoolCFG.from_lark`,
-`JsonSchema`, user subclasses) is coerced to the LM's tokens by concatenating token bytes, as
-genlm-control's `coerce(llm, f=b"".join)` does:
+A boolean genlm-control `Potential` over bytes is coerced to the LM's tokens by concatenating
+token bytes, as genlm-control's `coerce(llm, f=b"".join)` does:
 
     phi_tokens(x_1..x_t) = phi_bytes(bytes(x_1) + ... + bytes(x_t)).
 
-The next-token mask of a prefix is found by walking a byte trie of the whole vocabulary once and
-pruning every subtree whose byte prefix is already dead, so a call costs the number of live trie
-nodes, not V prefix checks:
-- `FSAConstraint` (BoolFSA): the walk runs on sets of automaton states, so it depends only on the
-  state a prefix reaches; masks are cached per state and a particle's state advances token by
-  token. After warm-up a mask is a table look-up.
-- `BytePotentialConstraint` (any other byte potential): the walk asks `potential.prefix` at each
-  trie node; masks are cached per byte prefix.
-A potential over the LM's own token ids is asked for `batch_logw_next` directly.
-
-Measured on SmolLM2's 49152 tokens (2 shared CPU cores): an automaton state's first walk takes
-0.01-0.7 s (0.5 s inside a JSON string, where 47,926 tokens stay live), after which a batch of
-28 prefixes costs 0.24 ms. genlm-control's `Coerced.batch_logw_next` on the same `BoolFSA` visits
-every token for every context: about 0.13 s per context and 1.0 s for a batch of 8, every time.
+Lowering, in order of preference:
+- `Regex`, `Grammar`, `JsonSchema` (smc_sd.program.grammars), and genlm-control's `BoolFSA`,
+  `BoolCFG` and `JsonSchema` whose language can be read back (smc_sd.program.genlm_lowering),
+  become llguidance masks (`GrammarConstraint`): exact, tens of microseconds per mask. A schema
+  llguidance only over-approximates also yields a `CompletionCheck`, the exact test as phi on
+  complete strings.
+- Any other boolean potential over bytes keeps the generic path, `BytePotentialConstraint`.
+- A potential over the LM's own token ids is asked for `batch_logw_next` directly.
 
 Special tokens other than EOS never appear in masks (their text is dropped on decoding).
 """
@@ -28,11 +21,11 @@ from __future__ import annotations
 
 import asyncio
 import weakref
-from functools import lru_cache
 
 import torch
 
 from smc_sd.program.constraints import TokenConstraint
+from smc_sd.program.scores import BlockPotential
 
 
 # per LM: its byte vocabulary and trie; its lowered constraints {id(potential): (potential, lowered)}
@@ -81,82 +74,19 @@ def byte_trie(vocabulary: list[bytes | None]) -> dict:
     return root
 
 
-def walk_trie(trie: dict, start, step) -> dict[int, object]:
-    """Every token whose bytes keep a byte-level state alive.
-
-    Args:
-        trie: from `byte_trie`.
-        start: the state before the token.
-        step: step(state, byte) -> the next state, or None when the byte prefix is dead.
-
-    Returns:
-        {token id: the state after its bytes} for the live tokens.
-    """
-    live: dict[int, object] = {}
-    stack = [(trie, start)]
-    while stack:
-        node, state = stack.pop()
-        for key, child in node.items():
-            if key is None:
-                live.update(dict.fromkeys(child, state))
-                continue
-            nxt = step(state, key)
-            if nxt is not None:
-                stack.append((child, nxt))
-    return live
-
-
-class FSAConstraint(TokenConstraint):
-    """A genlm-control `BoolFSA` over bytes, as exact token masks of one LM.
-
-    Args:
-        fsa: a boolean `BoolFSA` (e.g. `BoolFSA.from_regex(pattern)`).
-        lm: the language model whose tokens are masked.
-    """
-
-    def __init__(self, fsa, lm):
-        self.vocab_size, self.eos = lm.vocabulary.size, lm.vocabulary.eos_token_id
-        self._trie = vocabulary_trie(lm)[1]
-        automaton = fsa.wfsa.epsremove
-        self._arcs = automaton.arcs
-        self._coaccessible = {i for i in automaton.states if automaton.backward[i].score}
-        self._finals = {i for i, w in automaton.F if w.score}
-        self._start = frozenset(i for i in fsa._start_chart if i in self._coaccessible)
-        # state -> ([V] bool mask, {token: next state}); prefix tuple -> state
-        self._table: dict[frozenset, tuple[torch.Tensor, dict]] = {}
-        self._states: dict[tuple[int, ...], frozenset] = {(): self._start}
-        self._step = lru_cache(maxsize=None)(self._byte_step)
-
-    def _byte_step(self, states: frozenset, byte: int) -> frozenset | None:
-        nxt = frozenset(j for i in states for j, w in self._arcs(i, byte) if w.score and j in self._coaccessible)
-        return nxt or None
-
-    def _row(self, states: frozenset) -> tuple[torch.Tensor, dict]:
-        if states not in self._table:
-            nxt = walk_trie(self._trie, states, self._step) if states else {}
-            mask = torch.zeros(self.vocab_size, dtype=torch.bool)
-            mask[list(nxt)] = True
-            mask[self.eos] = bool(states & self._finals)
-            self._table[states] = (mask, nxt)
-        return self._table[states]
-
-    def _state(self, prefix: tuple[int, ...]) -> frozenset:
-        known = len(prefix)
-        while prefix[:known] not in self._states:
-            known -= 1
-        state = self._states[prefix[:known]]
-        for t in range(known, len(prefix)):
-            state = self._row(state)[1].get(prefix[t], frozenset())
-            self._states[prefix[: t + 1]] = state
-        return state
-
-    def mask(self, prefixes: list[list[int]]) -> torch.Tensor:
-        # [B, V] bool
-        return torch.stack([self._row(self._state(tuple(p)))[0] for p in prefixes])
-
-
 class BytePotentialConstraint(TokenConstraint):
-    """Any boolean genlm-control potential over bytes, as token masks of one LM.
+    """Any boolean genlm-control potential over bytes, as token masks of one LM (the generic path).
+
+    The mask of a byte prefix d walks the vocabulary's byte trie from the root, asking the
+    potential once per live trie node n for the weights of every next byte, `logw_next(d + n)`
+    (one call gives all 256 children), and pruning each subtree whose byte is dead. EOS is
+    `complete(d)`. Masks are cached per byte prefix.
+
+    Cost: one `logw_next` per live node, so a mask costs as many potential calls as there are
+    distinct byte prefixes of allowed tokens: about 10^4 to 10^5 on a 49,152-token vocabulary
+    when most tokens stay live (inside a JSON string), seconds to minutes with a Python prefix
+    test. Use it for potentials llguidance cannot express; write regexes, grammars and schemas
+    as `Regex`, `Grammar` and `JsonSchema` (llguidance, microseconds per mask).
 
     Args:
         potential: a `Potential` whose vocabulary is bytes (ints 0..255); `prefix` must be 0 on
@@ -172,21 +102,32 @@ class BytePotentialConstraint(TokenConstraint):
         self._loop = asyncio.new_event_loop()
         self._masks: dict[bytes, torch.Tensor] = {}
 
-    def _alive(self, data: bytes) -> bool:
-        return self._loop.run_until_complete(self.potential.prefix(data)) > float("-inf")
-
-    def _mask_of(self, data: bytes) -> torch.Tensor:
-        if data not in self._masks:
-            live = walk_trie(self._trie, data, lambda d, b: d + bytes([b]) if self._alive(d + bytes([b])) else None)
-            mask = torch.zeros(self.vocab_size, dtype=torch.bool)
-            mask[list(live)] = True
-            mask[self.eos] = self._loop.run_until_complete(self.potential.complete(data)) > float("-inf")
-            self._masks[data] = mask
-        return self._masks[data]
+    async def _walk(self, data: bytes) -> torch.Tensor:
+        mask = torch.zeros(self.vocab_size, dtype=torch.bool)
+        mask[self.eos] = await self.potential.complete(data) > float("-inf")
+        stack = [(self._trie, data)]
+        while stack:
+            node, text = stack.pop()
+            if None in node:
+                mask[node[None]] = True
+            children = [b for b in node if b is not None]
+            if not children:
+                continue
+            weights = await self.potential.logw_next(text)
+            for byte in children:
+                if weights[byte] > float("-inf"):
+                    stack.append((node[byte], text + bytes([byte])))
+        return mask
 
     def mask(self, prefixes: list[list[int]]) -> torch.Tensor:
+        rows = []
+        for prefix in prefixes:
+            data = b"".join(self._vocabulary[t] for t in prefix)
+            if data not in self._masks:
+                self._masks[data] = self._loop.run_until_complete(self._walk(data))
+            rows.append(self._masks[data])
         # [B, V] bool
-        return torch.stack([self._mask_of(b"".join(self._vocabulary[t] for t in p)) for p in prefixes])
+        return torch.stack(rows)
 
 
 class TokenPotentialConstraint(TokenConstraint):
@@ -214,12 +155,11 @@ def is_byte_potential(potential) -> bool:
 
 
 def as_token_constraint(constraint, lm) -> TokenConstraint:
-    """Lower one of a program's constraints to token masks of `lm`.
+    """Lower one of a program's constraints to token masks of `lm` (module docstring).
 
     Args:
-        constraint: a `TokenConstraint` (kept), a genlm-control `BoolFSA` (exact automaton
-            index), another boolean genlm-control `Potential` over bytes (trie walk), or one over
-            the LM's token ids.
+        constraint: a `TokenConstraint` (kept) or a boolean genlm-control `Potential` over bytes
+            or over the LM's token ids.
         lm: the target LM.
 
     Raises:
@@ -227,7 +167,7 @@ def as_token_constraint(constraint, lm) -> TokenConstraint:
     """
     if isinstance(constraint, TokenConstraint):
         return constraint
-    # a lowered constraint keeps its mask tables across runs: one per (potential, LM)
+    # a lowered constraint keeps its matcher states and mask tables across runs: one per (potential, LM)
     lowered = _LOWERED.setdefault(lm, {})
     if id(constraint) not in lowered:
         lowered[id(constraint)] = (constraint, _lower(constraint, lm))
@@ -236,12 +176,48 @@ def as_token_constraint(constraint, lm) -> TokenConstraint:
 
 def _lower(constraint, lm) -> TokenConstraint:
     from genlm.control.potential import Potential
-    from genlm.control.potential.built_in.wfsa import BoolFSA
 
-    if isinstance(constraint, BoolFSA):
-        return FSAConstraint(constraint, lm)
-    if isinstance(constraint, Potential):
-        if is_byte_potential(constraint):
-            return BytePotentialConstraint(constraint, lm)
+    from smc_sd.program.genlm_lowering import lower
+    from smc_sd.program.llguidance_masks import GrammarConstraint
+
+    if not isinstance(constraint, Potential):
+        raise TypeError(f"a constraint must be a TokenConstraint or a genlm-control Potential, got {type(constraint).__name__}")
+    if not is_byte_potential(constraint):
         return TokenPotentialConstraint(constraint, lm)
-    raise TypeError(f"a constraint must be a TokenConstraint or a genlm-control Potential, got {type(constraint).__name__}")
+    grammar = lower(constraint)
+    if grammar is None:
+        return BytePotentialConstraint(constraint, lm)
+    return GrammarConstraint(grammar.grammar, lm, grammar.description)
+
+
+class CompletionCheck(BlockPotential):
+    """The exact test of an over-approximated grammar as a block-end potential: log phi = 0 on
+    prefixes (the masks already test them) and on complete strings that pass, -inf otherwise.
+
+    Args:
+        check: bytes -> bool on complete strings.
+        lm: the model whose token ids the prefixes hold.
+    """
+
+    def __init__(self, check, lm):
+        self.check = check
+        self._vocabulary = vocabulary_trie(lm)[0]
+
+    def log_score(self, prefixes: list[list[int]], complete: list[bool]) -> torch.Tensor:
+        texts = [b"".join(self._vocabulary[t] or b"" for t in p) for p in prefixes]
+        return torch.tensor([0.0 if not c or self.check(t) else float("-inf") for t, c in zip(texts, complete)], dtype=torch.float64)
+
+
+def completion_checks(constraints, lm) -> tuple:
+    """The `CompletionCheck`s of a program's constraints that llguidance only over-approximates."""
+    from genlm.control.potential import Potential
+
+    from smc_sd.program.genlm_lowering import lower
+
+    out = []
+    for constraint in constraints:
+        if isinstance(constraint, Potential) and is_byte_potential(constraint):
+            grammar = lower(constraint)
+            if grammar is not None and grammar.exact_check is not None:
+                out.append(CompletionCheck(grammar.exact_check, lm))
+    return tuple(out)

@@ -1,0 +1,96 @@
+"""genlm-control potentials whose language can be read back, rewritten as llguidance grammars.
+
+genlm-control keeps no source text: `BoolFSA.from_regex` keeps only its automaton, `BoolCFG.from_lark`
+only its byte-level CFG, and `JsonSchema(schema)` is a product whose validator factor keeps the
+schema. Each is rewritten exactly:
+- a `BoolFSA` as a right-linear Lark grammar, one rule per automaton state:
+      s_i : /[bytes to s_j]/ s_j | ... | ""        ("" iff s_i is final);
+- a `BoolCFG` rule by rule, each terminal byte b as the regex /\\xb/;
+- genlm-control's `JsonSchema` as `smc_sd.program.grammars.JsonSchema` of the same schema.
+Lark terminals are UTF-8 text, so an automaton or grammar with a byte >= 128 on its own (a
+multi-byte character split into bytes) cannot be written this way: it keeps the generic path.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+from smc_sd.program.grammars import GrammarPotential, JsonSchema
+
+
+def lower(potential) -> GrammarPotential | None:
+    """The llguidance form of a potential, or None when its language cannot be read back."""
+    from genlm.control.potential.built_in.json import FullValidatorJsonSchema
+    from genlm.control.potential.built_in.wcfg import BoolCFG
+    from genlm.control.potential.built_in.wfsa import BoolFSA
+    from genlm.control.potential.product import Product
+
+    if isinstance(potential, GrammarPotential):
+        return potential
+    if isinstance(potential, Product) and isinstance(potential.p2, FullValidatorJsonSchema):
+        # genlm-control's JsonSchema: a streaming parser of the schema times its full validator
+        return JsonSchema(potential.p2.schema)
+    lark = fsa_lark(potential) if isinstance(potential, BoolFSA) else None
+    if isinstance(potential, BoolCFG):
+        lark = cfg_lark(potential.cfg)
+    if lark is None:
+        return None
+    import llguidance
+
+    return GrammarPotential(llguidance.LLMatcher.grammar_from_lark(lark), type(potential).__name__)
+
+
+def byte_class(labels) -> str | None:
+    """/[\\xNN...]/ for ASCII bytes; None if any byte is 128 or more."""
+    if any(not isinstance(b, int) or b >= 128 for b in labels):
+        return None
+    return "/[" + "".join(f"\\x{b:02x}" for b in sorted(labels)) + "]/"
+
+
+def fsa_lark(fsa) -> str | None:
+    """A right-linear Lark grammar of a boolean byte automaton (module docstring), or None."""
+    automaton = fsa.wfsa.epsremove
+    live = {i for i in automaton.states if automaton.backward[i].score}
+    finals = {i for i, w in automaton.F if w.score}
+    rules = []
+    for i in sorted(live):
+        targets = defaultdict(set)
+        for label, j, w in automaton.arcs(i):
+            if w.score and j in live:
+                targets[j].add(label)
+        alternatives = []
+        for j, labels in sorted(targets.items()):
+            terminal = byte_class(labels)
+            if terminal is None:
+                return None
+            alternatives.append(f"{terminal} s{j}")
+        if i in finals:
+            alternatives.append('""')
+        rules.append(f"s{i}: " + " | ".join(alternatives))
+    starts = [f"s{i}" for i in fsa._start_chart if i in live]
+    if not starts:
+        return None
+    return "\n".join([f"start: {' | '.join(starts)}"] + rules)
+
+
+def cfg_lark(cfg) -> str | None:
+    """A Lark grammar of a genlm-grammar byte CFG with boolean weights, or None."""
+    names = {symbol: f"n{k}" for k, symbol in enumerate(sorted(cfg.N, key=str))}
+    alternatives = defaultdict(list)
+    for rule in cfg.rules:
+        if not rule.w:
+            continue
+        parts = []
+        for symbol in rule.body:
+            if symbol in names:
+                parts.append(names[symbol])
+            else:
+                terminal = byte_class([symbol])
+                if terminal is None:
+                    return None
+                parts.append(terminal)
+        alternatives[names[rule.head]].append(" ".join(parts) or '""')
+    if names[cfg.S] not in alternatives:
+        return None
+    lines = [f"start: {names[cfg.S]}"] + [f"{head}: " + " | ".join(alts) for head, alts in alternatives.items()]
+    return "\n".join(lines)

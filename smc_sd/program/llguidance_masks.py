@@ -1,0 +1,169 @@
+"""Exact next-token masks of an llguidance grammar over one LM's tokens.
+
+For a generated prefix x (token ids, EOS excluded) the mask is the `TokenConstraint` contract:
+
+    mask[v]   = 1  iff  bytes(x) + bytes(v) can still be completed inside the language   (v != EOS)
+    mask[EOS] = 1  iff  bytes(x) is a complete string of the language,
+
+computed by llguidance from its parser state after x. Special tokens other than EOS, and logit
+rows past the tokenizer's length, are never allowed.
+
+Matcher states live in a pool keyed by prefix tuple and shared by genealogy: the state of a new
+prefix is a `deep_copy` of the state of its longest pooled prefix, advanced by `consume_tokens`
+over the tokens in between (usually one). Resampling and forking therefore need nothing from the
+engine: copies of a particle ask for the same prefix, and a rolled-back prefix (exact SD's
+rejection) finds its state still pooled. A state not asked for in `WINDOW` calls is dropped; a
+prefix whose ancestors were all dropped is rebuilt from the empty prefix, which costs time only.
+
+The masks of a batch come from one `fill_next_token_bitmask_par` call (one row per distinct
+prefix) and are unpacked from int32 bit words to bool with numpy, without a loop over tokens.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import llguidance
+import llguidance.hf
+import llguidance.torch
+import numpy as np
+import torch
+
+from smc_sd.program.constraints import TokenConstraint
+
+#: calls after which a matcher state nobody asked for leaves the pool
+WINDOW = 32
+
+# per LM: (its llguidance tokenizer, [V] bool tokens a mask may ever allow)
+_TOKENIZERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_EXECUTOR: list = []
+
+
+def executor() -> llguidance.LLExecutor:
+    """The process's llguidance executor (llguidance's default thread count), made once."""
+    if not _EXECUTOR:
+        _EXECUTOR.append(llguidance.LLExecutor())
+    return _EXECUTOR[0]
+
+
+def lm_tokenizer(lm) -> tuple[llguidance.LLTokenizer, torch.Tensor]:
+    """The llguidance tokenizer of an LM and its [V] bool allowed-token row, made once per LM.
+
+    A transformers tokenizer goes through `llguidance.hf.from_tokenizer` (about 0.5 s for
+    49,152 tokens); a model without one (toy LMs) is described by the UTF-8 bytes of
+    `lm.decode([t])` with EOS as its only special token.
+    """
+    if lm not in _TOKENIZERS:
+        size, eos = lm.vocabulary.size, lm.vocabulary.eos_token_id
+        allowed = torch.zeros(size, dtype=torch.bool)
+        if lm.tokenizer is None:
+            tokenizer = llguidance.LLTokenizer(llguidance.TokenizerWrapper(_ToyVocabulary(lm)))
+            allowed[:] = True
+        else:
+            tokenizer = llguidance.hf.from_tokenizer(lm.tokenizer)
+            allowed[: min(size, len(lm.tokenizer))] = True
+            special = [t for t in lm.tokenizer.all_special_ids if t < size]
+            special += [t for t, added in lm.tokenizer.added_tokens_decoder.items() if added.special and t < size]
+            allowed[special] = False
+        allowed[eos] = True
+        _TOKENIZERS[lm] = (tokenizer, allowed)
+    return _TOKENIZERS[lm]
+
+
+class _ToyVocabulary:
+    """A model's tokens as byte strings, in the shape `llguidance.TokenizerWrapper` reads."""
+
+    def __init__(self, lm):
+        self.eos_token_id, self.bos_token_id = lm.vocabulary.eos_token_id, None
+        self.special_token_ids = [self.eos_token_id]
+        self.tokens = [b"<eos>" if t == self.eos_token_id else lm.decode([t]).encode() for t in range(lm.vocabulary.size)]
+        self._ids = {data: t for t, data in enumerate(self.tokens) if t != self.eos_token_id}
+        self._longest = max(len(data) for data in self._ids)
+
+    def __call__(self, text: bytes | str) -> list[int]:
+        """Greedy longest-match tokenization (llguidance asks for it to tokenize forced bytes);
+        a byte no token starts with is skipped, as no generated string can hold it there."""
+        text = text.encode() if isinstance(text, str) else text
+        out, i = [], 0
+        while i < len(text):
+            n = next((n for n in range(min(self._longest, len(text) - i), 0, -1) if text[i : i + n] in self._ids), 0)
+            if n:
+                out.append(self._ids[text[i : i + n]])
+            i += max(n, 1)
+        return out
+
+
+def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Bit masks to bool masks.
+
+    Args:
+        bitmask: [B, W] int32, token 32 w + i allowed iff bit i of word w is set.
+        vocab_size: V; columns past 32 W are False.
+
+    Returns:
+        [B, V] bool.
+    """
+    # [B, 4 W] uint8 in little-endian order, so bit j of byte c is token 8 c + j
+    data = bitmask.numpy().astype("<i4", copy=False).view(np.uint8)
+    # [B, 32 W] uint8
+    bits = torch.from_numpy(np.unpackbits(data, axis=1, bitorder="little"))
+    out = torch.zeros(bitmask.shape[0], vocab_size, dtype=torch.bool)
+    width = min(vocab_size, bits.shape[1])
+    out[:, :width] = bits[:, :width].bool()
+    return out
+
+
+class GrammarConstraint(TokenConstraint):
+    """An llguidance grammar as exact token masks of one LM (module docstring).
+
+    Args:
+        grammar: an llguidance grammar (from `LLMatcher.grammar_from_*`).
+        lm: the model whose tokens are masked.
+        description: what the grammar is, for error messages.
+
+    Raises:
+        ValueError: when llguidance refuses the grammar for this tokenizer.
+    """
+
+    def __init__(self, grammar: str, lm, description: str = "grammar"):
+        self.vocab_size = lm.vocabulary.size
+        self._tokenizer, self._allowed = lm_tokenizer(lm)
+        root = llguidance.LLMatcher(self._tokenizer, grammar, log_level=0)
+        if root.is_error():
+            raise ValueError(f"invalid {description}: {root.get_error().splitlines()[0]}")
+        # prefix -> [matcher state after it, the call that last asked for it]
+        self._pool: dict[tuple[int, ...], list] = {(): [root, 0]}
+        self.calls = 0
+
+    def _state(self, prefix: tuple[int, ...]) -> llguidance.LLMatcher:
+        entry = self._pool.get(prefix)
+        if entry is None:
+            known = next(n for n in range(len(prefix) - 1, -1, -1) if prefix[:n] in self._pool)
+            self._pool[prefix[:known]][1] = self.calls
+            matcher = self._pool[prefix[:known]][0].deep_copy()
+            # a token the grammar refuses leaves the matcher in its error state: a dead prefix
+            matcher.consume_tokens(list(prefix[known:]))
+            entry = self._pool[prefix] = [matcher, self.calls]
+        entry[1] = self.calls
+        return entry[0]
+
+    def _prune(self) -> None:
+        stale = [p for p, (_, last) in self._pool.items() if p and last < self.calls - WINDOW]
+        for prefix in stale:
+            del self._pool[prefix]
+
+    def mask(self, prefixes: list[list[int]]) -> torch.Tensor:
+        self.calls += 1
+        keys = [tuple(p) for p in prefixes]
+        # one row per distinct prefix: copies of a resampled particle share their state
+        rows = {key: i for i, key in enumerate(dict.fromkeys(keys))}
+        states = [self._state(key) for key in rows]
+        # [U, W] int32, all zero (nothing allowed) for dead prefixes
+        bitmask = torch.zeros(llguidance.torch.get_bitmask_shape(len(states), self._tokenizer.vocab_size), dtype=torch.int32)
+        live = [(state, i) for i, state in enumerate(states) if not state.is_error()]
+        if live:
+            llguidance.torch.fill_next_token_bitmask_par(executor(), live, bitmask)
+        self._prune()
+        # [U, V] bool, then [B, V] bool in the order asked
+        masks = unpack_bitmask(bitmask, self.vocab_size) & self._allowed
+        return masks[[rows[key] for key in keys]]
