@@ -1,0 +1,49 @@
+"""Masked distributions: what the engine builds on the constraints' next-token masks.
+
+The draft samples from, and the weights use, the same masked rows:
+
+    q~(v) = q(v) · m(v) / Z_q,          Z_q = sum_v q(v) m(v)
+    bonus ∝ p_T(v)^alpha · m(v),        log Z_bonus = log sum_v p_T(v)^alpha m(v)
+
+A row where Z_q = 0 (the mask allows no token, or only tokens of probability zero) has no masked
+distribution; the particle it belongs to gets weight zero.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def apply_mask(scores: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """scores + log m: -inf where the mask is zero (unchanged when mask is None).
+
+    Args:
+        scores: [..., V] float log-weights.
+        mask: [..., V] bool or None.
+    """
+    if mask is None:
+        return scores
+    return scores.masked_fill(~mask, float("-inf"))
+
+
+def masked_logprobs(logprobs: torch.Tensor, mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """log q~ = log q + log m - log Z_q row by row, and the rows where Z_q = 0.
+
+    Z_q = sum_v q(v) m(v) is zero when the mask allows no token (a dead end) and also when every
+    token it allows has probability zero. Such rows have no masked distribution: they are
+    returned unmasked, so that a token can still be drawn to keep shapes static, and flagged, so
+    that the caller gives them weight zero.
+
+    Args:
+        logprobs: [N, V] float32 log q.
+        mask: [N, V] bool or None.
+
+    Returns:
+        ([N, V] float32 log q~, [N] bool rows with Z_q = 0), or (logprobs, None) when mask is None.
+    """
+    if mask is None:
+        return logprobs, None
+    masked = apply_mask(logprobs, mask)
+    empty = ~torch.isfinite(masked).any(-1)
+    # log_softmax of an all -inf row is NaN: such rows stay unmasked
+    return torch.where(empty[:, None], logprobs, torch.log_softmax(masked, -1)), empty
