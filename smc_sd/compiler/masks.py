@@ -1,11 +1,8 @@
-"""Batched next-token masks of a program's constraints, and the masked distributions built on them.
+"""Batched next-token masks of a program's constraints.
 
 The compiler turns every boolean constraint into one `Masker`. Per cycle the engine asks it for
 K + 1 masks, each for all N particles in one call: one before each drafted token and one before
-the bonus token. The draft samples from, and the weights use, the same masked rows:
-
-    q~(v) = q(v) · m(v) / Z_q,          Z_q = sum_v q(v) m(v)
-    bonus ∝ p_T(v)^alpha · m(v),        log Z_bonus = log sum_v p_T(v)^alpha m(v)
+the bonus token (the masked distributions built on them are in `smc_sd.engine.masking`).
 
 A live particle whose mask is all zero is dead (no continuation satisfies the constraints): it
 gets weight zero. Particles that are not live (finished, already dead, past an EOS in the block)
@@ -73,38 +70,3 @@ class Masker:
         if not prefixes:
             return torch.zeros(0, dtype=torch.bool)
         return self(prefixes, torch.ones(len(prefixes), dtype=torch.bool))[0][:, self.eos]
-
-
-def apply_mask(scores: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-    """scores + log m: -inf where the mask is zero (unchanged when mask is None).
-
-    Args:
-        scores: [..., V] float log-weights.
-        mask: [..., V] bool or None.
-    """
-    if mask is None:
-        return scores
-    return scores.masked_fill(~mask, float("-inf"))
-
-
-def masked_logprobs(logprobs: torch.Tensor, mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """log q~ = log q + log m - log Z_q row by row, and the rows where Z_q = 0.
-
-    Z_q = sum_v q(v) m(v) is zero when the mask allows no token (a dead end) and also when every
-    token it allows has probability zero. Such rows have no masked distribution: they are
-    returned unmasked, so that a token can still be drawn to keep shapes static, and flagged, so
-    that the caller gives them weight zero.
-
-    Args:
-        logprobs: [N, V] float32 log q.
-        mask: [N, V] bool or None.
-
-    Returns:
-        ([N, V] float32 log q~, [N] bool rows with Z_q = 0), or (logprobs, None) when mask is None.
-    """
-    if mask is None:
-        return logprobs, None
-    masked = apply_mask(logprobs, mask)
-    empty = ~torch.isfinite(masked).any(-1)
-    # log_softmax of an all -inf row is NaN: such rows stay unmasked
-    return torch.where(empty[:, None], logprobs, torch.log_softmax(masked, -1)), empty

@@ -25,7 +25,7 @@ from typing import Callable
 import torch
 
 from smc_sd.backends.base import Sequences
-from smc_sd.compiler.masks import apply_mask, masked_logprobs
+from smc_sd.engine.masking import apply_mask, masked_logprobs
 from smc_sd.engine.resampling import effective_sample_size, log_mean_weight, normalised_weights, resample
 from smc_sd.engine.rescoring import rescore, retwist
 from smc_sd.engine.result import AllParticlesDiedError, CycleStats, Result, kv_memory
@@ -182,7 +182,7 @@ def run_smc(plan, prompt: list[int], generator: torch.Generator, on_cycle=None) 
     """Run an importance-verified StepPlan (SMC-SD; K = 0 is SMC with the target as proposal).
 
     With constraints the draft and the bonus token are masked (module docstring of
-    `smc_sd.compiler.masks`): a drafted column adds alpha log p_T(x_k) - log q~(x_k) and the bonus
+    `smc_sd.engine.masking`): a drafted column adds alpha log p_T(x_k) - log q~(x_k) and the bonus
     adds log sum_v p_T(v)^alpha m(v); a particle whose mask allows no token gets weight zero.
     Block-end potentials phi add log phi(new prefix) - log phi(old prefix) at the first token and
     at every block end (complete scores for finished particles) and stay in the final weights.

@@ -18,7 +18,7 @@ import time
 
 import torch
 
-from smc_sd.compiler.masks import apply_mask, masked_logprobs
+from smc_sd.engine.masking import apply_mask, masked_logprobs
 from smc_sd.engine.result import AllParticlesDiedError, CycleStats, Result, kv_memory
 from smc_sd.engine.sampling import gather_last, sample_tokens, tempered_logprobs
 from smc_sd.engine.smc import block_masks, draft_block, first_token_mask, trim_at_eos
