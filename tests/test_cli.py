@@ -64,6 +64,14 @@ def run_cli(argv, capsys):
     return code, out, err.splitlines()
 
 
+def assert_refused(flags, phrase, files, capsys):
+    """The CLI on `flags` ({name}: a path of `files`) exits 2 with one error line holding `phrase`."""
+    code, out, err = run_cli([flag.format(**files) for flag in flags], capsys)
+    assert code == 2 and out == ""
+    assert len(err) == 1 and err[0].startswith("smc-sd: error: "), err
+    assert phrase.format(**files) in err[0], err[0]
+
+
 # (flags, a phrase the error must contain); {name} is a path from the `files` fixture
 BEFORE_LOADING = [
     (["--target", "{missing}"], "--target {missing}: no such directory"),
@@ -124,23 +132,18 @@ def no_model_loads(monkeypatch):
 
 @pytest.mark.parametrize("flags, phrase", BEFORE_LOADING, ids=lambda case: " ".join(case) if isinstance(case, list) else None)
 def test_bad_flag_is_one_line_before_any_model_loads(flags, phrase, files, no_model_loads, capsys):
-    code, out, err = run_cli([flag.format(**files) for flag in flags] + [PROMPT], capsys)
-    assert code == 2 and out == ""
-    assert len(err) == 1 and err[0].startswith("smc-sd: error: "), err
-    assert phrase.format(**files) in err[0]
+    assert_refused(flags + [PROMPT], phrase, files, capsys)
 
 
 @pytest.mark.parametrize("prompt", ["", "   "])
-def test_empty_prompt_is_one_line(prompt, no_model_loads, capsys):
-    code, _, err = run_cli(["--method", "ar", prompt], capsys)
-    assert code == 2 and err == ["smc-sd: error: the prompt is empty; give some text"]
+def test_empty_prompt_is_one_line(prompt, files, no_model_loads, capsys):
+    assert_refused(["--method", "ar", prompt], "the prompt is empty", files, capsys)
 
 
-def test_missing_vllm_is_one_line(monkeypatch, no_model_loads, capsys):
+def test_missing_vllm_is_one_line(files, monkeypatch, no_model_loads, capsys):
     find_spec = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *rest: None if name == "vllm" else find_spec(name, *rest))
-    code, _, err = run_cli(["--backend", "vllm", PROMPT], capsys)
-    assert code == 2 and len(err) == 1 and "--backend vllm needs the vllm package" in err[0]
+    assert_refused(["--backend", "vllm", PROMPT], "--backend vllm needs the vllm package", files, capsys)
 
 
 # found only once the (tiny) models are loaded
@@ -153,10 +156,7 @@ AFTER_LOADING = [
 
 @pytest.mark.parametrize("flags, phrase", AFTER_LOADING, ids=lambda case: " ".join(case) if isinstance(case, list) else None)
 def test_bad_model_is_one_line_after_loading(flags, phrase, files, capsys):
-    code, out, err = run_cli([flag.format(**files) for flag in flags] + ["--raw", PROMPT], capsys)
-    assert code == 2 and out == ""
-    assert len(err) == 1 and err[0].startswith("smc-sd: error: "), err
-    assert phrase.format(**files) in err[0]
+    assert_refused(flags + ["--raw", PROMPT], phrase, files, capsys)
 
 
 @pytest.mark.parametrize("method", ["ar", "sd", "smc-sd"])
