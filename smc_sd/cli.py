@@ -354,6 +354,13 @@ def generate(args) -> int:
             f"{result.target_passes} target passes, {result.resamples} resamples, log Z {result.log_ml:.3f}]",
             file=sys.stderr,
         )
+    if not result.complete:
+        print(
+            f"smc-sd: warning: no particle completed a string the constraints accept within "
+            f"{args.max_new_tokens} tokens; the output is cut off (raise --max-new-tokens)",
+            file=sys.stderr,
+        )
+        return 1
     return 0
 
 

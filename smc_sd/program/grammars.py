@@ -67,9 +67,12 @@ def check_grammar(grammar: str, what: str) -> list[str]:
 
 
 def one_line(message: str) -> str:
-    """The first non-empty line of a message, without llguidance's "at L(C):" position prefix."""
-    line = next((s.strip() for s in message.splitlines() if s.strip()), message)
-    return re.sub(r"^at \d+\(\d+\): ", "", line)
+    """An llguidance error as one line: its first line (without the "at L(C):" position and the
+    repeated regex) and, for a regex parse error, the "error: ..." line that says what is wrong."""
+    lines = [s.strip() for s in message.splitlines() if s.strip()] or [message]
+    first = re.sub(r'^at \d+\(\d+\): (invalid regex ".*?" \(in regex\): )?', "", lines[0])
+    detail = next((s[len("error: "):] for s in lines[1:] if s.startswith("error: ")), None)
+    return f"{first} {detail}" if detail else first
 
 
 class GrammarPotential(Potential):
