@@ -28,6 +28,7 @@ class CycleStats:
         tokens: positions each particle advanced (K + 1, fewer when the token budget cut in).
         particles: N.
         accepted: for exact speculative decoding, draft tokens accepted (else None).
+        rows: for SMC-SD, the particles that cost a forward in this cycle (the unfinished ones).
     """
 
     ess: float
@@ -36,6 +37,7 @@ class CycleStats:
     tokens: int
     particles: int
     accepted: int | None = None
+    rows: int | None = None
 
     @property
     def chi_square(self) -> float:

@@ -13,107 +13,197 @@ resets to 0; the final weights add the same term at the end.
 
 The first token comes from the prompt's forward: each particle draws its own token from
 p_T(.)^alpha / Z_0 with log w = log Z_0.
+
+A finished particle keeps its tokens and its weight, and stays resamplable, but costs no forward:
+the backends' rows hold the unfinished particles only, row r being the r-th unfinished particle in
+particle order (`reseat_rows` keeps that true after a cycle and after a resampling). Its copies
+made by resampling are finished too, so its KV is never read again.
+
+Dimension letters: N particles, A unfinished ones (rows of the backends), K draft length, V
+vocabulary, S tokens generated so far.
 """
 
 from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass
-from typing import Callable
+from dataclasses import dataclass, replace
 
 import torch
 
 from smc_sd.backends.base import Sequences
-from smc_sd.engine.masking import apply_mask, masked_logprobs
+from smc_sd.engine.drafting import DraftBlock, block_masks, draft_block, first_token_mask, trim_at_eos
+from smc_sd.engine.masking import apply_mask
 from smc_sd.engine.resampling import effective_sample_size, log_mean_weight, normalised_weights, resample
 from smc_sd.engine.rescoring import rescore, retwist
 from smc_sd.engine.result import AllParticlesDiedError, CycleStats, Result, kv_memory
 from smc_sd.engine.sampling import gather_last, sample_tokens, tempered_logprobs
-from smc_sd.program.constraints import UnsatisfiableConstraintError
 
 
-@dataclass
-class DraftBlock:
-    """K drafted tokens per particle and the distributions they were drawn from.
+@dataclass(frozen=True)
+class Particles:
+    """The N particles between two cycles; every tensor is indexed by particle.
 
     Attributes:
-        tokens: [N, K] int64.
-        logq: [N, K, V] float32 log q~ at each drafted position: the draft at temperature T_d,
-            masked by the constraints and renormalised (q itself when unconstrained).
-        masks: [N, K, V] bool constraint masks at each position, or None when unconstrained.
-        dead: [N, K] bool, positions where q~ does not exist (the mask allowed no token, or only
-            tokens of draft probability zero), or None. Their tokens were drawn unmasked and the
-            particle must get weight zero.
+        tokens: [N, S] int64 generated tokens (columns after a particle's EOS are EOS filler).
+        finished: [N] bool, particles that produced EOS.
+        logw: [N] float64 log weights relative to the last resampling, twist and potentials in.
+        log_twist: [N] float64 log psi of each prefix, inside logw.
+        log_phi: [N] float64 block-end potentials' log phi of each prefix, inside logw.
+        target_unseen: [N, 1] int64, the token the target has not read (the last bonus token).
+        draft_unseen: [N, U] int64 tokens the draft has not read, or None without a draft.
     """
 
     tokens: torch.Tensor
-    logq: torch.Tensor
-    masks: torch.Tensor | None = None
-    dead: torch.Tensor | None = None
+    finished: torch.Tensor
+    logw: torch.Tensor
+    log_twist: torch.Tensor
+    log_phi: torch.Tensor
+    target_unseen: torch.Tensor
+    draft_unseen: torch.Tensor | None
+
+    def take(self, ancestors: torch.Tensor) -> "Particles":
+        """Particle i becomes a copy of particle ancestors[i], with log weight 0 (resampling)."""
+        return Particles(
+            tokens=self.tokens[ancestors],
+            finished=self.finished[ancestors],
+            logw=torch.zeros(ancestors.numel(), dtype=torch.float64),
+            log_twist=self.log_twist[ancestors],
+            log_phi=self.log_phi[ancestors],
+            target_unseen=self.target_unseen[ancestors],
+            draft_unseen=None if self.draft_unseen is None else self.draft_unseen[ancestors],
+        )
 
 
-def draft_block(
-    rows: Sequences,
-    unseen: torch.Tensor,
-    draft_len: int,
-    temperature: float,
-    generator: torch.Generator,
-    mask_at: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = None,
-) -> DraftBlock:
-    """Draw K tokens per row from the (masked) draft.
-
-    Args:
-        rows: the draft's sequences (N rows).
-        unseen: [N, U] int64 tokens of the prefix the draft has not read yet (U >= 1).
-        draft_len: K.
-        temperature: T_d.
-        mask_at: maps the tokens drafted so far, [N, j] int64, to the constraint mask before
-            position j + 1 ([N, V] bool) and its dead rows ([N] bool); None when unconstrained.
-
-    Returns:
-        The block; the draft has then read everything but its last token.
-    """
-    drafted, logq, masks, dead = [], [], [], []
-    feed = unseen
-    for _ in range(draft_len):
-        # [N, V]: next-token distribution after the last fed token
-        logq_next = tempered_logprobs(rows.extend(feed)[:, -1], temperature)
-        if mask_at is not None:
-            # [N, j]: the tokens drafted so far
-            so_far = torch.stack(drafted, 1) if drafted else unseen.new_empty(unseen.shape[0], 0)
-            mask, _ = mask_at(so_far)
-            # rows that are not live have all-one masks, so only live rows can lack mass
-            logq_next, no_mass = masked_logprobs(logq_next, mask)
-            masks.append(mask)
-            dead.append(no_mass)
-        token = sample_tokens(logq_next, generator)
-        drafted.append(token)
-        logq.append(logq_next)
-        feed = token[:, None]
-    if mask_at is None:
-        return DraftBlock(torch.stack(drafted, 1), torch.stack(logq, 1))
-    return DraftBlock(torch.stack(drafted, 1), torch.stack(logq, 1), torch.stack(masks, 1), torch.stack(dead, 1))
-
-
-def block_masks(masker, prefixes: list[list[int]], live: torch.Tensor, eos: int):
-    """The `mask_at` of one cycle: masks after each particle's prefix plus the block so far.
+def first_particles(plan, first_logits: torch.Tensor, first_mask: torch.Tensor | None, generator) -> Particles:
+    """Every particle draws its own first token from p_T(.)^alpha · m / Z_0, log w = log Z_0.
 
     Args:
-        masker: a `Masker`.
-        prefixes: N lists of generated tokens before the cycle.
-        live: [N] bool, particles that are unfinished and have nonzero weight.
+        first_logits: [V] float32 target logits after the prompt.
+        first_mask: [V] bool constraint mask of the first token, or None.
+    """
+    n, eos = plan.particles, plan.target.vocabulary.eos_token_id
+    # [V]: alpha log p_T of the first token, masked by the constraints
+    scores = apply_mask(plan.alpha * tempered_logprobs(first_logits, plan.target_temperature), first_mask)
+    # where the mask leaves no mass every weight is zero (the caller stops); draw unmasked
+    first = sample_tokens((scores if torch.isfinite(scores).any() else first_logits).expand(n, -1), generator)
+    state = Particles(
+        tokens=first[:, None],
+        finished=first == eos,
+        logw=torch.full((n,), float(torch.logsumexp(scores, 0)), dtype=torch.float64),
+        log_twist=torch.zeros(n, dtype=torch.float64),
+        log_phi=torch.zeros(n, dtype=torch.float64),
+        target_unseen=first[:, None],
+        draft_unseen=first[:, None] if plan.draft is not None else None,
+    )
+    return rescore_block_end(plan, state, torch.ones(n, dtype=torch.bool))
+
+
+def propose_and_verify(plan, state: Particles, target_rows: Sequences, draft_rows, generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """Draft K tokens for every unfinished particle, score them in ONE target pass, draw the bonus.
+
+    With constraints the draft and the bonus token are masked (`smc_sd.engine.masking`): a
+    drafted column adds alpha log p_T(x_k) - log q~(x_k), the bonus adds
+    log sum_v p_T(v)^alpha m(v), and a position where q~ does not exist gets -inf.
 
     Returns:
-        mask_at(drafted [N, j] int64) -> (mask [N, V] bool, dead [N] bool); rows with an EOS
-        among the drafted tokens are no longer live.
+        block: [A, K + 1] int64 drafted tokens then the bonus token, for the unfinished particles
+            in particle order; increments: [A, K + 1] float64 their log-weight increments.
     """
+    k, eos = plan.draft_len, plan.target.vocabulary.eos_token_id
+    active = (~state.finished).nonzero().flatten()
+    mask_at = None
+    if plan.masker is not None:
+        mask_at = block_masks(plan.masker, state.tokens[active].tolist(), torch.isfinite(state.logw[active]), eos)
+    if k > 0:
+        draft = draft_block(draft_rows, state.draft_unseen[active], k, plan.draft_temperature, generator, mask_at)
+    else:
+        draft = DraftBlock(torch.empty(active.numel(), 0, dtype=torch.long), torch.empty(active.numel(), 0, plan.target.vocabulary.size))
+    drafted = draft.tokens
+    # [A, K + 1, V]: alpha log p_T after the unseen token and after each drafted token
+    scores = plan.alpha * tempered_logprobs(
+        target_rows.extend(torch.cat([state.target_unseen[active], drafted], 1)), plan.target_temperature
+    )
+    # [A, V]: the bonus token's scores, masked; a row the mask leaves without mass has an all
+    # -inf row, whose logsumexp zeroes the weight, and draws unmasked to keep shapes static
+    bonus_scores = scores[:, k]
+    if mask_at is not None:
+        bonus_scores = apply_mask(bonus_scores, mask_at(drafted)[0])
+    bonus = sample_tokens(torch.where(bonus_scores.isfinite().any(-1, keepdim=True), bonus_scores, scores[:, k]), generator)
+    # [A, K + 1] log-weight increments: drafted columns, then the bonus normaliser
+    increments = torch.cat(
+        [gather_last(scores[:, :k], drafted) - gather_last(draft.logq, drafted), torch.logsumexp(bonus_scores, -1, keepdim=True)], 1
+    ).double()
+    if draft.dead is not None:
+        increments[:, :k] = increments[:, :k].masked_fill(draft.dead, -math.inf)
+    return torch.cat([drafted, bonus[:, None]], 1), increments
 
-    def mask_at(drafted: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        rows = [prefix + block for prefix, block in zip(prefixes, drafted.tolist())]
-        return masker(rows, live & ~(drafted == eos).any(1))
 
-    return mask_at
+def advance(plan, state: Particles, block: torch.Tensor, increments: torch.Tensor) -> Particles:
+    """Append the cycle's block to every particle and add the columns that count to its weight.
+
+    Args:
+        block, increments: [A, K + 1] from `propose_and_verify`; finished particles get EOS filler.
+    """
+    n, k, eos = plan.particles, plan.draft_len, plan.target.vocabulary.eos_token_id
+    budget = plan.max_tokens - state.tokens.shape[1]
+    active = ~state.finished
+    # [N, K + 1]: every particle's block and increments (EOS filler and 0 on finished ones)
+    full_block = torch.full((n, k + 1), eos, dtype=torch.long)
+    full_block[active] = block
+    full_increments = torch.zeros(n, k + 1, dtype=torch.float64)
+    full_increments[active] = increments
+    keep = block_mask(full_block, state.finished, eos, budget)
+    advanced = Particles(
+        tokens=torch.cat([state.tokens, full_block[:, : min(k + 1, budget)]], 1),
+        finished=state.finished | ((full_block == eos) & keep).any(1),
+        logw=state.logw + torch.where(keep, full_increments, torch.zeros_like(full_increments)).sum(1),
+        log_twist=state.log_twist,
+        log_phi=state.log_phi,
+        target_unseen=full_block[:, -1:],
+        draft_unseen=full_block[:, -2:] if k > 0 else None,
+    )
+    return rescore_block_end(plan, advanced, active)
+
+
+def rescore_block_end(plan, state: Particles, fresh: torch.Tensor) -> Particles:
+    """Swap the block-end potentials' and the twist's old scores for those of the new prefixes.
+
+    Args:
+        fresh: [N] bool, particles whose prefix changed (they were running before the block).
+    """
+    eos = plan.target.vocabulary.eos_token_id
+    logw, log_phi, log_twist = state.logw, state.log_phi, state.log_twist
+    if plan.potential is not None:
+        logw, log_phi = rescore(plan.potential, state.tokens, state.finished, fresh, logw, log_phi, eos)
+    if plan.twist is not None:
+        logw, log_twist = retwist(plan.twist, state.tokens, state.finished, logw, log_twist)
+    return replace(state, logw=logw, log_phi=log_phi, log_twist=log_twist)
+
+
+def reseat_rows(rows: Sequences | None, sources: torch.Tensor) -> None:
+    """Make the rows hold the current rows `sources` ([A'] int64), in that order.
+
+    Nothing happens when `sources` is the identity, and nothing when it is empty (every particle
+    has finished: the run is over and the rows are only closed).
+    """
+    if rows is None or sources.numel() == 0:
+        return
+    if sources.numel() == rows.batch_size and bool((sources == torch.arange(rows.batch_size)).all()):
+        return
+    rows.select(sources)
+
+
+def resample_particles(plan, state: Particles, generator, target_rows: Sequences, draft_rows) -> Particles:
+    """Draw N ancestors ∝ w, copy them (log w = 0), and move the rows with the unfinished ones."""
+    ancestors = resample(state.logw, generator, plan.resampling)
+    # [N]: each particle's row in the backends (meaningful for unfinished ones)
+    row_of = torch.cumsum((~state.finished).long(), 0) - 1
+    resampled = state.take(ancestors)
+    sources = row_of[ancestors][~resampled.finished]
+    reseat_rows(target_rows, sources)
+    reseat_rows(draft_rows, sources)
+    return resampled
 
 
 def block_mask(block: torch.Tensor, finished: torch.Tensor, eos: int, budget: int) -> torch.Tensor:
@@ -133,25 +223,6 @@ def block_mask(block: torch.Tensor, finished: torch.Tensor, eos: int, budget: in
     eos_before = (torch.cumsum(is_eos, 1) - is_eos) > 0
     columns = torch.arange(block.shape[1])
     return (~finished)[:, None] & ~eos_before & (columns < budget)[None, :]
-
-
-def trim_at_eos(ids: list[int], eos: int) -> list[int]:
-    """Token ids up to and including the first EOS."""
-    return ids[: ids.index(eos) + 1] if eos in ids else ids
-
-
-def first_token_mask(masker) -> torch.Tensor | None:
-    """[V] bool mask of the first generated token, or None when unconstrained.
-
-    Raises:
-        UnsatisfiableConstraintError: if the constraints allow no first token (not even EOS).
-    """
-    if masker is None:
-        return None
-    mask, dead = masker([[]], torch.ones(1, dtype=torch.bool))
-    if bool(dead[0]):
-        raise UnsatisfiableConstraintError("the constraints admit no string: no first token satisfies them")
-    return mask[0]
 
 
 def complete_at_budget(plan, tokens: torch.Tensor, finished: torch.Tensor, logw: torch.Tensor, log_phi: torch.Tensor, eos: int) -> torch.Tensor:
@@ -181,13 +252,12 @@ def complete_at_budget(plan, tokens: torch.Tensor, finished: torch.Tensor, logw:
 def run_smc(plan, prompt: list[int], generator: torch.Generator, on_cycle=None) -> Result:
     """Run an importance-verified StepPlan (SMC-SD; K = 0 is SMC with the target as proposal).
 
-    With constraints the draft and the bonus token are masked (module docstring of
-    `smc_sd.engine.masking`): a drafted column adds alpha log p_T(x_k) - log q~(x_k) and the bonus
-    adds log sum_v p_T(v)^alpha m(v); a particle whose mask allows no token gets weight zero.
-    Block-end potentials phi add log phi(new prefix) - log phi(old prefix) at the first token and
-    at every block end (complete scores for finished particles) and stay in the final weights.
-    With a twist, log w += log psi(first token) at the first token and log psi(new prefix) -
-    log psi(old prefix) at every block end; the last twist is removed from the final weights.
+    Each cycle: `propose_and_verify` (draft, one target pass, bonus token), `advance` (weights,
+    block-end potentials and twist), retire the particles that finished, then resample when
+    ESS < tau N. Block-end potentials phi add log phi(new prefix) - log phi(old prefix) at the
+    first token and at every block end (complete scores for finished particles) and stay in the
+    final weights. With a twist, log w += log psi(new prefix) - log psi(old prefix) at every
+    block end; the last twist is removed from the final weights.
 
     The token budget is part of the target (`complete_at_budget`): a particle whose string is not
     complete at the end gets weight zero; when no particle is complete an incomplete one is
@@ -203,39 +273,24 @@ def run_smc(plan, prompt: list[int], generator: torch.Generator, on_cycle=None) 
     target_rows, first_logits = plan.target.open(prompt, n)
     draft_rows = plan.draft.open(prompt, n)[0] if plan.draft is not None else None
     try:
-        # [V]: alpha log p_T of the first token, masked by the constraints
-        first_scores = apply_mask(plan.alpha * tempered_logprobs(first_logits, plan.target_temperature), first_mask)
-        # where the mask leaves no mass every weight is zero below; draw unmasked to keep going
-        first = sample_tokens(first_scores.expand(n, -1) if torch.isfinite(first_scores).any() else first_logits.expand(n, -1), generator)
-        # [N] float64, relative to the last resampling (twist included)
-        logw = torch.full((n,), float(torch.logsumexp(first_scores, 0)), dtype=torch.float64)
-        # [N] float64 log psi and log phi (block-end potentials) of each prefix, inside logw
-        log_twist = torch.zeros(n, dtype=torch.float64)
-        log_phi = torch.zeros(n, dtype=torch.float64)
+        state = first_particles(plan, first_logits, first_mask, generator)
+        reseat_rows(target_rows, (~state.finished).nonzero().flatten())
+        reseat_rows(draft_rows, (~state.finished).nonzero().flatten())
         log_z = 0.0
-        # [N, S] generated tokens; [N, 1] / [N, U] tokens the target / draft have not read
-        tokens = first[:, None]
-        target_unseen, draft_unseen = first[:, None], first[:, None]
-        finished = first == eos
-        if plan.potential is not None:
-            logw, log_phi = rescore(plan.potential, tokens, finished, torch.ones(n, dtype=torch.bool), logw, log_phi, eos)
-        if plan.twist is not None:
-            logw, log_twist = retwist(plan.twist, tokens, finished, logw, log_twist)
         cycles: list[CycleStats] = []
-        draft_passes = 0
 
         def result(final_logw: torch.Tensor, final_log_z: float, chosen: int, complete: bool = True) -> Result:
             return Result(
                 method=plan.name,
                 prompt=prompt,
-                particles=[trim_at_eos(row, eos) for row in tokens.tolist()],
-                finished=finished.tolist(),
+                particles=[trim_at_eos(row, eos) for row in state.tokens.tolist()],
+                finished=state.finished.tolist(),
                 log_weights=final_logw,
                 log_ml=final_log_z,
                 chosen=chosen,
                 cycles=cycles,
                 target_passes=len(cycles),
-                draft_passes=draft_passes,
+                draft_passes=k * len(cycles),
                 seconds=time.perf_counter() - start,
                 decode=plan.target.decode,
                 kv=kv_memory(target_rows, draft_rows),
@@ -243,76 +298,35 @@ def run_smc(plan, prompt: list[int], generator: torch.Generator, on_cycle=None) 
                 complete=complete,
             )
 
-        if not torch.isfinite(logw).any():
-            raise AllParticlesDiedError("the constraints allow no first token of nonzero probability", result(logw, -math.inf, 0))
-        while tokens.shape[1] < plan.max_tokens and not bool(finished.all()):
-            budget = plan.max_tokens - tokens.shape[1]
-            mask_at = None
-            if plan.masker is not None:
-                mask_at = block_masks(plan.masker, tokens.tolist(), ~finished & torch.isfinite(logw), eos)
-            if k > 0:
-                draft = draft_block(draft_rows, draft_unseen, k, plan.draft_temperature, generator, mask_at)
-                draft_passes += k
-            else:
-                draft = DraftBlock(torch.empty(n, 0, dtype=torch.long), torch.empty(n, 0, first_logits.numel()))
-            drafted = draft.tokens
-            # [N, K + 1, V]: alpha log p_T after the unseen token and after each drafted token
-            scores = plan.alpha * tempered_logprobs(
-                target_rows.extend(torch.cat([target_unseen, drafted], 1)), plan.target_temperature
-            )
-            # [N, V]: the bonus token's scores, masked; dead rows draw unmasked, at weight zero
-            bonus_scores = scores[:, k]
-            if mask_at is not None:
-                # a dead bonus row has an all -inf score row: its logsumexp zeroes the weight
-                bonus_mask, _ = mask_at(drafted)
-                bonus_scores = apply_mask(bonus_scores, bonus_mask)
-            bonus = sample_tokens(torch.where(bonus_scores.isfinite().any(-1, keepdim=True), bonus_scores, scores[:, k]), generator)
-            block = torch.cat([drafted, bonus[:, None]], 1)
-            # [N, K + 1] log-weight increments: drafted columns, then the bonus normaliser
-            increments = torch.cat(
-                [gather_last(scores[:, :k], drafted) - gather_last(draft.logq, drafted), torch.logsumexp(bonus_scores, -1, keepdim=True)], 1
-            ).double()
-            if draft.dead is not None:
-                increments[:, :k] = increments[:, :k].masked_fill(draft.dead, -math.inf)
-            keep = block_mask(block, finished, eos, budget)
-            logw = logw + torch.where(keep, increments, torch.zeros_like(increments)).sum(1)
-            was_running = ~finished
-            finished = finished | ((block == eos) & keep).any(1)
-            tokens = torch.cat([tokens, block[:, : min(k + 1, budget)]], 1)
-            target_unseen = bonus[:, None]
-            draft_unseen = block[:, -2:] if k > 0 else None
-            if plan.potential is not None:
-                logw, log_phi = rescore(plan.potential, tokens, finished, was_running, logw, log_phi, eos)
-            if plan.twist is not None:
-                logw, log_twist = retwist(plan.twist, tokens, finished, logw, log_twist)
+        if not torch.isfinite(state.logw).any():
+            raise AllParticlesDiedError("the constraints allow no first token of nonzero probability", result(state.logw, -math.inf, 0))
+        while state.tokens.shape[1] < plan.max_tokens and not bool(state.finished.all()):
+            tokens_this_cycle = min(k + 1, plan.max_tokens - state.tokens.shape[1])
+            rows = int((~state.finished).sum())
+            block, increments = propose_and_verify(plan, state, target_rows, draft_rows, generator)
+            previous, state = state, advance(plan, state, block, increments)
+            # rows of particles that finished in this block leave the backends
+            still_running = (~state.finished)[~previous.finished].nonzero().flatten()
+            reseat_rows(target_rows, still_running)
+            reseat_rows(draft_rows, still_running)
 
-            ess = effective_sample_size(logw)
+            ess = effective_sample_size(state.logw)
             if ess == 0.0:
-                cycles.append(CycleStats(ess, False, -math.inf, min(k + 1, budget), n))
-                raise AllParticlesDiedError(
-                    "every particle reached weight zero", result(logw, -math.inf, 0)
-                )
+                cycles.append(CycleStats(ess, False, -math.inf, tokens_this_cycle, n, rows=rows))
+                raise AllParticlesDiedError("every particle reached weight zero", result(state.logw, -math.inf, 0))
             resampled = ess < plan.ess_threshold * n
             if resampled:
-                log_z += log_mean_weight(logw)
-                ancestors = resample(logw, generator, plan.resampling)
-                tokens, finished = tokens[ancestors], finished[ancestors]
-                log_twist, log_phi = log_twist[ancestors], log_phi[ancestors]
-                target_unseen = target_unseen[ancestors]
-                target_rows.select(ancestors)
-                if draft_rows is not None:
-                    draft_unseen = draft_unseen[ancestors]
-                    draft_rows.select(ancestors)
-                logw = torch.zeros(n, dtype=torch.float64)
-            cycles.append(CycleStats(ess, resampled, log_z, min(k + 1, budget), n))
+                log_z += log_mean_weight(state.logw)
+                state = resample_particles(plan, state, generator, target_rows, draft_rows)
+            cycles.append(CycleStats(ess, resampled, log_z, tokens_this_cycle, n, rows=rows))
             if on_cycle is not None:
-                on_cycle(cycles[-1], tokens.tolist())
+                on_cycle(cycles[-1], state.tokens.tolist())
 
         # the last twist comes off: the final weights target pi itself
-        logw = logw - log_twist
+        logw = state.logw - state.log_twist
         if not torch.isfinite(logw).any():
             raise AllParticlesDiedError("every particle reached weight zero", result(logw, -math.inf, 0))
-        final_logw = complete_at_budget(plan, tokens, finished, logw, log_phi, eos)
+        final_logw = complete_at_budget(plan, state.tokens, state.finished, logw, state.log_phi, eos)
         if not torch.isfinite(final_logw).any():
             # no particle holds a complete string: return an incomplete one, marked as such
             chosen = int(torch.multinomial(normalised_weights(logw), 1, generator=generator))

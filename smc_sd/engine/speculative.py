@@ -21,7 +21,7 @@ import torch
 from smc_sd.engine.masking import apply_mask, masked_logprobs
 from smc_sd.engine.result import AllParticlesDiedError, CycleStats, Result, kv_memory
 from smc_sd.engine.sampling import gather_last, sample_tokens, tempered_logprobs
-from smc_sd.engine.smc import block_masks, draft_block, first_token_mask, trim_at_eos
+from smc_sd.engine.drafting import block_masks, draft_block, first_token_mask, trim_at_eos
 
 
 def accept_or_resample(
@@ -96,7 +96,7 @@ def run_speculative(plan, prompt: list[int], generator: torch.Generator, on_cycl
                 kv=kv_memory(target_rows, draft_rows),
                 mask_seconds=plan.masker.seconds if plan.masker is not None else 0.0,
                 # under constraints a string cut by the budget may be incomplete
-                complete=plan.masker is None or tokens[-1] == eos or bool(plan.masker.complete([tokens])[0]),
+                complete=plan.masker is None or eos in tokens or bool(plan.masker.complete([tokens])[0]),
             )
 
         # [1, V]: p~ of the first token
