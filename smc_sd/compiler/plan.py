@@ -10,6 +10,7 @@ All validation happens here, before any model runs, so bad input fails fast with
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Callable
 
@@ -100,17 +101,17 @@ def check_settings(program, schedule) -> None:
     _require(schedule.particles >= 1, f"particles must be >= 1, got {schedule.particles}")
     _require(schedule.max_tokens >= 1, f"max tokens must be >= 1, got {schedule.max_tokens}")
     _require(0.0 <= schedule.ess_threshold <= 1.0, f"ESS threshold must lie in [0, 1], got {schedule.ess_threshold}")
-    _require(target.temperature >= 0, f"target temperature must be >= 0, got {target.temperature}")
+    _require(0 <= target.temperature < math.inf, f"target temperature must be >= 0 and finite, got {target.temperature}")
     _require(
         target.temperature > 0 or program.verification == "accept-reject" or proposal is None,
         "smc-sd needs a target temperature > 0 (at T = 0 the target is the single greedy string, which "
         "sampled drafts almost never hit, so every particle would die); use ar or sd for greedy decoding",
     )
-    _require(target.alpha > 0, f"alpha must be > 0, got {target.alpha}")
+    _require(0 < target.alpha < math.inf, f"alpha must be > 0 and finite, got {target.alpha}")
     check_resampler(schedule.resampling)
     if proposal is not None:
         _require(proposal.draft_len >= 1, f"draft length K must be >= 1, got {proposal.draft_len}")
-        _require(proposal.temperature >= 0, f"draft temperature must be >= 0, got {proposal.temperature}")
+        _require(0 <= proposal.temperature < math.inf, f"draft temperature must be >= 0 and finite, got {proposal.temperature}")
         _require(
             proposal.temperature > 0 or program.verification == "accept-reject",
             "smc-sd needs a draft temperature > 0: a greedy draft (T_d = 0) proposes one token, "
