@@ -377,6 +377,10 @@ def main(argv: list[str] | None = None) -> int:
     except AllParticlesDiedError as error:
         print(f"smc-sd: error: {one_line(error)}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:
+        # Ctrl-C: end the progress line, no traceback; 130 = 128 + SIGINT, as shells report it
+        print("\nsmc-sd: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

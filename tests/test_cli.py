@@ -172,3 +172,23 @@ def test_good_flags_pass_every_check(method, files, capsys):
     assert code == 0
     summary = json.loads(out)
     assert summary["method"] == method and 1 <= summary["new_tokens"] <= 5
+
+
+def test_every_particle_dying_is_one_line_with_status_1(files, monkeypatch, capsys):
+    from smc_sd.engine.result import AllParticlesDiedError
+
+    def die(self, *args, **kwargs):
+        raise AllParticlesDiedError("every particle has weight zero", partial=None)
+
+    monkeypatch.setattr("smc_sd.program.spec.Program.run", die)
+    code, out, err = run_cli(["--method", "ar", "--target", files["tiny"], "--raw", PROMPT], capsys)
+    assert code == 1 and out == "" and err == ["smc-sd: error: every particle has weight zero"]
+
+
+def test_interrupt_is_one_line_with_status_130(files, monkeypatch, capsys):
+    def interrupt(self, *args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr("smc_sd.program.spec.Program.run", interrupt)
+    code, out, err = run_cli(["--method", "ar", "--target", files["tiny"], "--raw", PROMPT], capsys)
+    assert code == 130 and out == "" and err == ["", "smc-sd: interrupted"]
