@@ -12,8 +12,14 @@
 Rows share prefixes by pointer: the prompt is computed once and its blocks are shared by all N
 rows; `select` (resampling, forking) copies block ids and adjusts counts, never KV bytes.
 
+Features (for a draft that reads them, `smc_sd.backends.feature_draft`): when the model's
+`feature_layers` attribute names decoder layers, every forward also records those layers'
+outputs, and the rows keep F [B, length, m·D] float32 for every position they hold, reordered by
+`select` and cut by `truncate` with the KV. Without it (the default) nothing is recorded.
+
 Invariants of `PagedHFSequences` (checked with `check_invariants`): its block tables obey the
-manager's invariants; after `close()` every reference is returned and other methods raise.
+manager's invariants; `features`, when kept, is [B, length, m·D]; after `close()` every
+reference is returned and other methods raise.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from smc_sd.backends.base import Sequences, check_extend, check_rows, check_truncate
 from smc_sd.cache.manager import KVCacheManager
 from smc_sd.cache.store import KVStore
+from smc_sd.models.feature_draft import capture_layer_outputs
 
 DEFAULT_BLOCK_SIZE = 16
 
@@ -102,6 +109,10 @@ class PagedHFSequences(Sequences):
 
     def __init__(self, lm, kv: PagedKV, table):
         self._lm, self._kv, self._table = lm, kv, table
+        # the decoder layers whose outputs are kept (set on the model by a feature draft)
+        self._feature_layers = getattr(lm, "feature_layers", None)
+        # [B, length, m·D] float32 features of every position, when kept
+        self._features = None
 
     @classmethod
     def open(cls, lm, kv: PagedKV, prompt: list[int], batch_size: int) -> tuple[PagedHFSequences, torch.Tensor]:
@@ -118,6 +129,11 @@ class PagedHFSequences(Sequences):
         except BaseException:
             rows.close()
             raise
+        if rows._features is not None:
+            rows._features = rows._features.expand(batch_size, -1, -1)
+        if rows._feature_layers:
+            # the rows a feature draft opened next pairs with (`smc_sd.backends.feature_draft`)
+            lm.latest_rows = rows
         return rows, logits[0, -1]
 
     @property
@@ -127,6 +143,22 @@ class PagedHFSequences(Sequences):
     @property
     def length(self) -> int:
         return self._table.length
+
+    @property
+    def tokens(self) -> torch.Tensor:
+        """[B, length] int64 (CPU) token ids of every row."""
+        return self._table.tokens
+
+    @property
+    def features(self) -> torch.Tensor:
+        """[B, length, m·D] float32 outputs of the model's `feature_layers` at every position.
+
+        Raises:
+            ValueError: if the model keeps no features.
+        """
+        if self._features is None:
+            raise ValueError("these rows keep no features: set the model's feature_layers before open")
+        return self._features
 
     def extend(self, tokens: torch.Tensor) -> torch.Tensor:
         """Append tokens [B, L] int64 to every row; return logits [B, L, V] float32."""
@@ -140,12 +172,16 @@ class PagedHFSequences(Sequences):
         self._check_open()
         check_rows(rows, self.batch_size)
         self._kv.manager.select(self._table, rows)
+        if self._features is not None:
+            self._features = self._features[rows.to(self._features.device)]
 
     def truncate(self, length: int) -> None:
         """Keep the first `length` positions of every row."""
         self._check_open()
         check_truncate(length, self.length)
         self._kv.manager.truncate(self._table, length)
+        if self._features is not None:
+            self._features = self._features[:, :length]
 
     def close(self) -> None:
         self._kv.manager.release(self._table)
@@ -174,7 +210,13 @@ class PagedHFSequences(Sequences):
         cache = paged_cache(
             store, start, plan.slots.to(device), manager.slots(self._table).to(device)
         )
-        logits = self._lm._forward(tokens.to(device=device, dtype=torch.long), start, cache, last_only)
+        if not self._feature_layers:
+            logits = self._lm._forward(tokens.to(device=device, dtype=torch.long), start, cache, last_only)
+        else:
+            with capture_layer_outputs(self._lm.model, self._feature_layers) as captured:
+                logits = self._lm._forward(tokens.to(device=device, dtype=torch.long), start, cache, last_only)
+            # [B, L, m·D] appended to the kept [B, start, m·D]
+            self._features = captured[0] if self._features is None else torch.cat([self._features, captured[0]], 1)
         manager.commit(self._table, start)
         return logits
 
