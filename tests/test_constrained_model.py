@@ -13,9 +13,17 @@ from smc_sd.programs import constrained, mask_at_verify
 pytestmark = pytest.mark.model
 
 SCHEMAS = {
-    "object": {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12}, "age": {"type": "integer"}}, "required": ["name", "age"]},
-    "enum": {"type": "object", "properties": {"color": {"enum": ["red", "green", "blue"]}}, "required": ["color"]},
+    "object": {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12}, "age": {"type": "integer"}}, "required": ["name", "age"], "additionalProperties": False},
+    "enum": {"type": "object", "properties": {"color": {"enum": ["red", "green", "blue"]}}, "required": ["color"], "additionalProperties": False},
     "array": {"type": "array", "items": {"type": "number"}, "minItems": 1, "maxItems": 3},
+    # the kinds the hand-written translation refused: $ref, anyOf, a string pattern
+    "ref": {
+        "$defs": {"code": {"type": "string", "pattern": "^[A-Z]{2}[0-9]{2}$"}},
+        "type": "object",
+        "properties": {"code": {"$ref": "#/$defs/code"}, "size": {"anyOf": [{"type": "integer"}, {"enum": ["small", "large"]}]}},
+        "required": ["code", "size"],
+        "additionalProperties": False,
+    },
 }
 PROMPT = "Answer with JSON only: a person, a color or a list of numbers."
 
@@ -27,10 +35,26 @@ def test_constrained_smc_sd_output_validates(default_lm, default_draft, name):
     # 40 tokens: with the distilled default draft the array's numbers run to many digit tokens
     # (24 left every particle unfinished at seed 0)
     result = program.run(chat_prompt(default_lm.tokenizer, PROMPT), Schedule(3, max_tokens=40), seed=0)
-    finished = [i for i, done in enumerate(result.finished) if done]
-    assert finished, "no particle finished within the token budget"
-    for i in finished:
-        jsonschema.validate(json.loads(default_lm.decode(result.particles[i])), schema)
+    assert result.complete, "no particle completed the schema within the token budget"
+    jsonschema.validate(json.loads(result.text), schema)
+    # every particle of nonzero final weight holds a complete, valid document
+    for tokens, logw in zip(result.particles, result.log_weights.tolist()):
+        if logw > float("-inf"):
+            jsonschema.validate(json.loads(default_lm.decode(tokens)), schema)
+
+
+def test_masks_never_allow_special_tokens_or_padding_rows(default_lm):
+    from smc_sd.program.llguidance_masks import GrammarConstraint
+    from smc_sd.program.grammars import JsonSchema
+
+    tokenizer = default_lm.tokenizer
+    special = [t for t in tokenizer.all_special_ids + list(tokenizer.added_tokens_decoder) if t != tokenizer.eos_token_id]
+    constraint = GrammarConstraint(JsonSchema({"type": "string"}).grammar, default_lm)
+    inside = tokenizer.encode('"a', add_special_tokens=False)
+    masks = constraint.mask([[], inside, tokenizer.encode('"a"', add_special_tokens=False)])
+    assert not masks[:, special].any() and not masks[:, len(tokenizer):].any()
+    # inside a string most tokens are allowed, EOS only after the closing quote
+    assert masks[1].sum() > 40000 and masks[:, tokenizer.eos_token_id].tolist() == [False, False, True]
 
 
 def test_mask_at_verify_output_validates(default_lm, default_draft):
@@ -47,3 +71,10 @@ def test_cli_json_schema_flag(tmp_path, capsys):
     assert code == 0
     summary = json.loads(capsys.readouterr().out)
     jsonschema.validate(json.loads(summary["text"]), SCHEMAS["enum"])
+
+
+def test_cli_warns_and_fails_when_no_answer_is_complete(capsys):
+    code = main(["generate", "--particles", "2", "--draft-len", "2", "--max-new-tokens", "3", "--regex", "a{40}", "--json", PROMPT])
+    captured = capsys.readouterr()
+    assert code == 1 and "no particle completed" in captured.err
+    assert json.loads(captured.out)["complete"] is False
