@@ -41,6 +41,7 @@ def files(tmp_path_factory):
     (root / "not-json.json").write_text("{'type': 'object'")
     (root / "bad-schema.json").write_text(json.dumps({"type": "bogus"}))
     (root / "binary.lark").write_bytes(b"\xff\xfe\x00start")
+    (root / "bad.lark").write_text("start: ((\n")
     (root / "plain.txt").write_text("not a directory")
     return {
         "tiny": tiny_model_dir(root / "tiny", WORDS),
@@ -48,7 +49,7 @@ def files(tmp_path_factory):
         "other": tiny_model_dir(root / "other", WORDS[:2] + WORDS[:1:-1]),
         "short": tiny_model_dir(root / "short", WORDS, max_positions=8),
         **{name.split(".")[0].replace("-", "_"): str(root / name) for name in (
-            "empty", "config-only", "not-json.json", "bad-schema.json", "binary.lark", "plain.txt")},
+            "empty", "config-only", "not-json.json", "bad-schema.json", "binary.lark", "bad.lark", "plain.txt")},
         "missing": str(root / "missing"),
     }
 
@@ -90,6 +91,7 @@ BEFORE_LOADING = [
     (["--json-schema", "{bad_schema}"], "--json-schema {bad_schema}:"),
     (["--grammar", "{missing}"], "--grammar {missing}: cannot read it"),
     (["--grammar", "{binary}"], "--grammar {binary}: 'utf-8' codec"),
+    (["--grammar", "{bad}"], "--grammar {bad}:"),
     (["--method", "ar", "--regex", "a"], "--method ar takes no constraints"),
     (["--method", "sd", "--regex", "a"], "--method sd takes no constraints"),
     (["--particles", "0"], "particles must be >= 1"),
