@@ -69,9 +69,6 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-DISTILLED_ON_VLLM = "a distilled restricted-vocabulary draft runs on --backend hf only"
-
-
 def check_request(args):
     """Judge everything about the request that needs no model, before any model loads.
 
@@ -147,7 +144,7 @@ def check_model_choice(args) -> None:
     if args.draft is None and args.target is not None:
         raise ValueError(f"--method {args.method} with --target needs a --draft model directory")
     if args.backend == "vllm" and (args.draft == "distilled" or (args.draft not in (None, "self") and is_draft_dir(args.draft))):
-        raise ValueError(DISTILLED_ON_VLLM)
+        raise ValueError("a distilled restricted-vocabulary draft runs on --backend hf only")
 
 
 def check_vllm_options(args) -> None:
