@@ -8,7 +8,8 @@ import torch
 from smc_sd import AllParticlesDiedError, Schedule
 from smc_sd.backends.base import ContextOverflowError, TokenizerMismatchError
 from smc_sd.backends.toy import ToyLM
-from smc_sd.programs import autoregressive, smc_speculative, speculative
+from smc_sd.compiler.plan import check_settings
+from smc_sd.programs import MODULES, autoregressive, get, smc_speculative, speculative
 from tests.toy_programs import PROMPT, target_and_draft
 
 
@@ -66,3 +67,16 @@ def test_every_particle_dying_is_a_clear_error_with_partial_results():
     assert partial.log_ml == -math.inf
     assert len(partial.particles) == 4 and partial.target_passes == 1
     assert not torch.isfinite(partial.log_weights).any()
+
+
+@pytest.mark.parametrize("method", sorted(MODULES))
+def test_settings_are_checked_without_models(method):
+    # the CLI builds the program with its models not loaded yet (None) and runs check_settings on
+    # it before loading them: neither the builders nor the checks may read a model
+    module = get(method)
+    models = [None] if method == "ar" else [None, None]
+    check_settings(module.program(*models), Schedule(module.DEFAULT_PARTICLES))
+    with pytest.raises(ValueError, match="particles must be >= 1"):
+        check_settings(module.program(*models), Schedule(particles=0))
+    with pytest.raises(ValueError, match="target temperature"):
+        check_settings(module.program(*models, temperature=-1.0), Schedule(module.DEFAULT_PARTICLES))
