@@ -1,14 +1,20 @@
-"""JSON-schema generation on the default model: validity and speed of constrained SMC-SD against
-unconstrained sampling and genlm-control's own SMC with AWRS (no speculation).
+"""Constrained SMC-SD on the default model: llguidance mask latency, speed against unconstrained
+SMC-SD, speed against genlm-control's SMC with AWRS and its own `JsonSchema`, and validity.
 
-All three run in this one process, on the same model, prompts, schemas, particle count and token
-budget. Validity: the returned text parses as JSON and validates against the schema (an output
-cut by the token budget counts as invalid). Speed: generated tokens per particle per second of
-wall time (the mean particle length over the run's seconds), so methods that stop early are not
-favoured. genlm-control's SMC weights particles by the same target p_T(x) · phi(x); AWRS samples
-each token from p masked by phi without computing the mask (adaptive rejection).
+Everything runs in this one process on the same model, prompt, particle count N, draft length K,
+token budget and seeds:
+- mask latency: the wall time of each mask call divided by its live rows (seconds per
+  particle-position, the draft's K masks and the bonus mask of every cycle), p50 and p99, over a
+  JSON-schema run and a Lark (CFG) run;
+- speed: positions per second, every particle slot's advance (`Result.positions`) over wall
+  seconds, so runs that stop at different lengths compare per unit of work; and generated tokens
+  per second (the mean particle length over wall seconds), the measure genlm-control's SMC is
+  compared on;
+- validity: the returned text is complete (ended by EOS or complete at the budget) and validates
+  (jsonschema with format checks; the CFG by genlm-control's Earley parser, independent of
+  llguidance).
 
-    python benchmarks/constrained.py --json
+    OMP_NUM_THREADS=1 python benchmarks/constrained.py --seeds 2
 """
 
 from __future__ import annotations
@@ -16,63 +22,87 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import statistics
+import subprocess
 import time
 
 from _common import emit, environment, load_default_models
 
-SCHEMAS = {
-    "person": {"type": "object", "properties": {"name": {"type": "string", "maxLength": 16}, "age": {"type": "integer"}}, "required": ["name", "age"]},
-    "color": {"type": "object", "properties": {"color": {"enum": ["red", "green", "blue"]}}, "required": ["color"]},
-    "numbers": {"type": "array", "items": {"type": "number"}, "minItems": 1, "maxItems": 4},
-    "flags": {"type": "object", "properties": {"ok": {"type": "boolean"}, "tags": {"type": "array", "items": {"enum": ["a", "b", "c"]}, "maxItems": 3}}},
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 20},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "email": {"type": "string", "format": "email"},
+        "role": {"anyOf": [{"enum": ["admin", "user"]}, {"type": "null"}]},
+    },
+    "required": ["name", "age", "role"],
+    "additionalProperties": False,
 }
-PROMPT = "Reply with JSON only, no prose. {}"
-TASKS = {
-    "person": "Describe a person with a name and an age.",
-    "color": "Pick a color: red, green or blue.",
-    "numbers": "Give a short list of numbers.",
-    "flags": "Give an object with a boolean 'ok' and a list 'tags' of letters a, b or c.",
+GRAMMAR = r"""start: expr
+expr: term (("+" | "-") term)*
+term: factor (("*" | "/") factor)*
+factor: NUMBER | "(" expr ")"
+NUMBER: /[0-9]{1,6}/
+"""
+PROMPTS = {
+    "json": "Reply with JSON only: a user record with a name, an age, an email and a role.",
+    "cfg": "Write one arithmetic expression with +, * and parentheses. Reply with the expression only.",
 }
 
 
-def valid(text: str, schema: dict) -> bool:
+def processor() -> str:
+    """The processor's model name as lscpu reports it."""
+    out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
+    return next((line.split(":", 1)[1].strip() for line in out.splitlines() if line.startswith("Model name")), "unknown")
+
+
+def json_valid(text: str) -> bool:
     import jsonschema
 
+    from smc_sd.program.grammars import schema_validator
+
     try:
-        jsonschema.validate(json.loads(text), schema)
+        return schema_validator(SCHEMA).is_valid(json.loads(text))
     except (ValueError, jsonschema.ValidationError):
         return False
-    return True
 
 
-def run_smc_sd(target, draft, prompt, schema, particles, max_tokens, draft_len, seed, constrained: bool):
-    from smc_sd.program import Schedule
-    from smc_sd.programs import constrained as constrained_programs
-    from smc_sd.programs import smc_speculative
+def cfg_valid(text: str) -> bool:
+    from genlm.control import BoolCFG
 
-    if constrained:
-        program = constrained_programs.program(target, draft, json_schema=schema, draft_len=draft_len)
-    else:
-        program = smc_speculative.program(target, draft, draft_len=draft_len)
-    result = program.run(prompt, Schedule(particles, max_tokens=max_tokens), seed=seed)
+    return asyncio.run(BoolCFG.from_lark(GRAMMAR).complete(text.encode())) == 0.0
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def run_smc_sd(program, prompt, schedule, seed) -> tuple[dict, list[float]]:
+    """One run; returns its figures and the mask latencies (seconds per particle-position)."""
+    from smc_sd.compiler import compile_program
+
+    plan = compile_program(program, schedule, prompt_length=len(prompt))
+    result = plan.execute(prompt, seed=seed)
     mean_length = sum(len(p) for p in result.particles) / len(result.particles)
-    return {
+    figures = {
         "text": result.text,
-        "valid": valid(result.text, schema) and result.finished[result.chosen],
+        "complete": result.complete,
         "seconds": result.seconds,
+        "positions_per_second": result.positions / result.seconds,
         "tokens_per_second": mean_length / result.seconds,
         "mask_seconds": result.mask_seconds,
-        "target_passes": result.target_passes,
-        "mean_ess_fraction": sum(c.ess for c in result.cycles) / max(len(result.cycles), 1) / particles,
     }
+    return figures, plan.masker.row_seconds if plan.masker is not None else []
 
 
-def run_genlm_awrs(genlm_llm, fsa, prompt, schema, particles, max_tokens, seed):
-    """genlm-control's SMC with AWRS over the same model, prompt and constraint automaton."""
-    from genlm.control import AWRS
+def run_genlm_awrs(genlm_llm, prompt, particles, max_tokens, seed) -> dict:
+    """genlm-control's SMC with AWRS, its `JsonSchema` potential coerced to the model's tokens."""
+    from genlm.control import AWRS, JsonSchema
 
     genlm_llm.prompt_ids = prompt
-    condition = fsa.coerce(genlm_llm, f=b"".join)
+    condition = JsonSchema(SCHEMA).coerce(genlm_llm, f=b"".join)
     sampler = AWRS(genlm_llm, condition, seed=seed)
     started = time.perf_counter()
     sequences = asyncio.run(sampler.smc(n_particles=particles, ess_threshold=0.5, max_tokens=max_tokens))
@@ -80,80 +110,78 @@ def run_genlm_awrs(genlm_llm, fsa, prompt, schema, particles, max_tokens, seed):
     posterior = sequences.decoded_posterior
     text = max(posterior, key=posterior.get) if posterior else ""
     lengths = [len([t for t in c if not isinstance(t, type(genlm_llm.eos))]) for c in sequences.contexts]
-    return {
-        "text": text,
-        "valid": bool(posterior) and valid(text, schema),
-        "seconds": seconds,
-        "tokens_per_second": sum(lengths) / len(lengths) / seconds,
-    }
+    return {"text": text, "complete": bool(posterior), "seconds": seconds, "tokens_per_second": sum(lengths) / len(lengths) / seconds}
 
 
-def summarise(runs: list[dict]) -> dict:
-    out = {
-        "validity": sum(r["valid"] for r in runs) / len(runs),
-        "tokens_per_second": sum(r["tokens_per_second"] for r in runs) / len(runs),
-        "seconds": sum(r["seconds"] for r in runs),
-    }
-    for key in ("mask_seconds", "mean_ess_fraction"):
-        if key in runs[0]:
-            out[key] = sum(r[key] for r in runs) / len(runs)
-    return out
+def mean(runs: list[dict], key: str) -> float:
+    return sum(r[key] for r in runs) / len(runs)
 
 
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--particles", type=int, default=4)
-    parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--draft-len", type=int, default=4)
-    parser.add_argument("--seeds", type=int, default=1)
-    parser.add_argument("--schemas", default=",".join(SCHEMAS), help="comma-separated names of " + ", ".join(SCHEMAS))
-    parser.add_argument(
-        "--draft-drop", default=None, metavar="A-B",
-        help="draft = the target without decoder layers A..B (default: the CLI's default draft, which drops one layer)",
-    )
-    parser.add_argument("--json", action="store_true", help="print only the JSON summary (it is always printed)")
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--seeds", type=int, default=2)
+    parser.add_argument("--genlm-max-tokens", type=int, default=64, help="token budget of genlm-control's (slow) SMC")
+    parser.add_argument("--skip-genlm", action="store_true")
     parser.add_argument("--no-write", action="store_true", help="do not save results/constrained.json")
     args = parser.parse_args(argv)
 
-    from genlm.backend.llm import AsyncTransformer
-    from genlm.control import PromptedLLM
-
     from smc_sd.backends.hf import chat_prompt
-    from smc_sd.program.json_regex import json_schema_potential
+    from smc_sd.program import Schedule
+    from smc_sd.program.grammars import Grammar, JsonSchema
+    from smc_sd.programs import smc_speculative
 
     target, draft = load_default_models()
-    if args.draft_drop is not None:
-        from smc_sd.backends.hf import HFLanguageModel
-        from smc_sd.models.smollm2 import default_model_dir
-
-        first, last = map(int, args.draft_drop.split("-"))
-        draft = HFLanguageModel.from_pretrained(default_model_dir(), drop_layers=range(first, last + 1))
-    genlm_llm = PromptedLLM(AsyncTransformer(target.model, target.tokenizer))
-    runs: dict[str, list[dict]] = {"smc-sd constrained": [], "smc-sd unconstrained": [], "genlm smc awrs": []}
-    per_schema = {}
-    for name in args.schemas.split(","):
-        schema = SCHEMAS[name]
-        prompt = chat_prompt(target.tokenizer, PROMPT.format(TASKS[name]))
-        fsa = json_schema_potential(schema)
-        rows = {}
+    schedule = Schedule(args.particles, max_tokens=args.max_tokens)
+    constraints = {"json": JsonSchema(SCHEMA), "cfg": Grammar(GRAMMAR)}
+    checks = {"json": json_valid, "cfg": cfg_valid}
+    out: dict = {}
+    for name, constraint in constraints.items():
+        prompt = chat_prompt(target.tokenizer, PROMPTS[name])
+        constrained = smc_speculative.program(target, draft, draft_len=args.draft_len, constraints=(constraint,))
+        free = smc_speculative.program(target, draft, draft_len=args.draft_len)
+        runs, latencies, free_runs = [], [], []
         for seed in range(args.seeds):
-            common = (prompt, schema, args.particles, args.max_tokens)
-            rows.setdefault("smc-sd constrained", []).append(run_smc_sd(target, draft, *common, args.draft_len, seed, True))
-            rows.setdefault("smc-sd unconstrained", []).append(run_smc_sd(target, draft, *common, args.draft_len, seed, False))
-            rows.setdefault("genlm smc awrs", []).append(run_genlm_awrs(genlm_llm, fsa, *common, seed))
-        for method, method_runs in rows.items():
-            runs[method] += method_runs
-        per_schema[name] = {method: {"summary": summarise(r), "texts": [x["text"] for x in r]} for method, r in rows.items()}
-    totals = {method: summarise(r) for method, r in runs.items()}
+            figures, row_seconds = run_smc_sd(constrained, prompt, schedule, seed)
+            figures["valid"] = figures["complete"] and checks[name](figures["text"])
+            runs.append(figures)
+            latencies += row_seconds
+            free_runs.append(run_smc_sd(free, prompt, schedule, seed)[0])
+        out[name] = {
+            "mask_latency_us": {"p50": 1e6 * statistics.median(latencies), "p99": 1e6 * percentile(latencies, 0.99), "max": 1e6 * max(latencies), "calls": len(latencies)},
+            "validity": mean(runs, "valid"),
+            "constrained_positions_per_second": mean(runs, "positions_per_second"),
+            "unconstrained_positions_per_second": mean(free_runs, "positions_per_second"),
+            "speed_ratio": mean(runs, "positions_per_second") / mean(free_runs, "positions_per_second"),
+            "constrained_tokens_per_second": mean(runs, "tokens_per_second"),
+            "mask_share_of_wall": sum(r["mask_seconds"] for r in runs) / sum(r["seconds"] for r in runs),
+            "texts": [r["text"] for r in runs],
+        }
+    if not args.skip_genlm:
+        from genlm.backend.llm import AsyncTransformer
+        from genlm.control import PromptedLLM
+
+        genlm_llm = PromptedLLM(AsyncTransformer(target.model, target.tokenizer))
+        prompt = chat_prompt(target.tokenizer, PROMPTS["json"])
+        awrs = [run_genlm_awrs(genlm_llm, prompt, args.particles, args.genlm_max_tokens, seed) for seed in range(args.seeds)]
+        for run in awrs:
+            run["valid"] = run["complete"] and json_valid(run["text"])
+        out["genlm_awrs_json"] = {
+            "tokens_per_second": mean(awrs, "tokens_per_second"),
+            "validity": mean(awrs, "valid"),
+            "seconds": mean(awrs, "seconds"),
+            "texts": [r["text"] for r in awrs],
+        }
+        out["json"]["speedup_vs_genlm_awrs"] = out["json"]["constrained_tokens_per_second"] / out["genlm_awrs_json"]["tokens_per_second"]
     data = {
         "benchmark": "constrained",
-        "environment": environment(),
-        "settings": {k: v for k, v in vars(args).items() if k not in ("json", "no_write")},
-        "totals": totals,
-        "speedup_vs_genlm_awrs": totals["smc-sd constrained"]["tokens_per_second"] / totals["genlm smc awrs"]["tokens_per_second"],
-        "per_schema": per_schema,
+        "environment": environment() | {"processor": processor()},
+        "settings": {k: v for k, v in vars(args).items() if k != "no_write"} | {"schema": SCHEMA, "grammar": GRAMMAR, "prompts": PROMPTS},
+        "results": out,
     }
-    emit("constrained" if args.draft_drop is None else f"constrained_drop{args.draft_drop}", data, write=not args.no_write)
+    emit("constrained", data, write=not args.no_write)
     return data
 
 

@@ -218,3 +218,32 @@ def test_over_approximated_schema_targets_the_exact_conditional():
     assert total_variation(empirical(samples), exact) < tolerance
     with pytest.raises(ValueError, match="over-approximated"):
         mask_at_verify.program(target, draft, constraints=(potential,)).run(PROMPT, Schedule(1, max_tokens=BUDGET))
+
+
+def test_products_split_into_factors_each_lowered():
+    from genlm.control import JsonSchema as GenlmJsonSchema
+    from genlm.control import Potential
+
+    from smc_sd.program.constraints import ConjunctionConstraint
+
+    lm = WordLM(LARK_WORDS)
+    # genlm-control's JsonSchema is itself a product: it is read back whole
+    assert isinstance(as_token_constraint(GenlmJsonSchema({"type": "integer"}), lm), GrammarConstraint)
+    # Grammar * a user potential llguidance cannot read: each factor takes its own path
+    class NoClosing(Potential):
+        def __init__(self):
+            super().__init__(list(range(256)))
+
+        async def prefix(self, context):
+            return 0.0 if b"))" not in bytes(context) else float("-inf")
+
+        async def complete(self, context):
+            return await self.prefix(context)
+
+    product = as_token_constraint(Grammar(LARK) * NoClosing(), lm)
+    assert isinstance(product, ConjunctionConstraint)
+    assert [type(m).__name__ for m in product.members] == ["GrammarConstraint", "BytePotentialConstraint"]
+    viable, complete = cfg_oracle(LARK)
+    prefixes = all_prefixes(lm, 2)
+    expected = brute_force_masks(lm, prefixes, lambda s: viable(s) and "))" not in s, lambda s: complete(s) and "))" not in s)
+    assert torch.equal(product.mask(prefixes), expected)

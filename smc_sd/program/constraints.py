@@ -69,3 +69,22 @@ class PredicateConstraint(TokenConstraint):
     def mask(self, prefixes: list[list[int]]) -> torch.Tensor:
         # [B, V] bool
         return torch.tensor([self._row(tuple(prefix)) for prefix in prefixes], dtype=torch.bool)
+
+
+class ConjunctionConstraint(TokenConstraint):
+    """phi = prod_c phi_c, masked as the AND of the members' masks.
+
+    The AND allows a token when every member can still complete the prefix, each on its own: a
+    superset of the tokens after which one string completes all of them, so a particle may reach
+    a prefix no token extends (it then gets weight zero). EOS is exact (allowed iff every member is
+    complete), so the product of the masks along a string is still phi of the string.
+    """
+
+    def __init__(self, members: tuple[TokenConstraint, ...]):
+        self.members = members
+
+    def mask(self, prefixes: list[list[int]]) -> torch.Tensor:
+        out = self.members[0].mask(prefixes)
+        for member in self.members[1:]:
+            out = out & member.mask(prefixes)
+        return out

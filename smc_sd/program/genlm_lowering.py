@@ -7,7 +7,8 @@ schema. Each is rewritten exactly:
       s_i : /[bytes to s_j]/ s_j | ... | ""        ("" iff s_i is final);
 - a `BoolCFG` rule by rule, each terminal byte b as the regex /\\xb/;
 - genlm-control's `JsonSchema` as `smc_sd.program.grammars.JsonSchema` of the same schema.
-Lark terminals are UTF-8 text, so an automaton or grammar with a byte >= 128 on its own (a
+A product `p1 * p2` of byte potentials is split into its factors (`factors`), each lowered on
+its own. Lark terminals are UTF-8 text, so an automaton or grammar with a byte >= 128 on its own (a
 multi-byte character split into bytes) cannot be written this way: it keeps the generic path.
 """
 
@@ -94,3 +95,13 @@ def cfg_lark(cfg) -> str | None:
         return None
     lines = [f"start: {names[cfg.S]}"] + [f"{head}: " + " | ".join(alts) for head, alts in alternatives.items()]
     return "\n".join(lines)
+
+
+def factors(potential) -> list:
+    """A genlm-control product split into its factors, keeping whole what `lower` reads back
+    (genlm-control's `JsonSchema` is itself a product)."""
+    from genlm.control.potential.product import Product
+
+    if isinstance(potential, Product) and lower(potential) is None:
+        return factors(potential.p1) + factors(potential.p2)
+    return [potential]

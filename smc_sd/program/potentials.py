@@ -11,6 +11,8 @@ Lowering, in order of preference:
   become llguidance masks (`GrammarConstraint`): exact, tens of microseconds per mask. A schema
   llguidance only over-approximates also yields a `CompletionCheck`, the exact test as phi on
   complete strings.
+- A product `p1 * p2` is split into its factors, each lowered on its own and conjoined
+  (`ConjunctionConstraint`).
 - Any other boolean potential over bytes keeps the generic path, `BytePotentialConstraint`.
 - A potential over the LM's own token ids is asked for `batch_logw_next` directly.
 
@@ -24,7 +26,7 @@ import weakref
 
 import torch
 
-from smc_sd.program.constraints import TokenConstraint
+from smc_sd.program.constraints import ConjunctionConstraint, TokenConstraint
 from smc_sd.program.scores import BlockPotential
 
 
@@ -104,6 +106,8 @@ class BytePotentialConstraint(TokenConstraint):
 
     async def _walk(self, data: bytes) -> torch.Tensor:
         mask = torch.zeros(self.vocab_size, dtype=torch.bool)
+        if await self.potential.prefix(data) == float("-inf"):
+            return mask
         mask[self.eos] = await self.potential.complete(data) > float("-inf")
         stack = [(self._trie, data)]
         while stack:
@@ -177,13 +181,17 @@ def as_token_constraint(constraint, lm) -> TokenConstraint:
 def _lower(constraint, lm) -> TokenConstraint:
     from genlm.control.potential import Potential
 
-    from smc_sd.program.genlm_lowering import lower
+    from smc_sd.program.genlm_lowering import factors, lower
     from smc_sd.program.llguidance_masks import GrammarConstraint
 
     if not isinstance(constraint, Potential):
         raise TypeError(f"a constraint must be a TokenConstraint or a genlm-control Potential, got {type(constraint).__name__}")
     if not is_byte_potential(constraint):
         return TokenPotentialConstraint(constraint, lm)
+    parts = factors(constraint)
+    if len(parts) > 1:
+        # p1 * p2: each factor on its own path (llguidance where it can be read back)
+        return ConjunctionConstraint(tuple(as_token_constraint(p, lm) for p in parts))
     grammar = lower(constraint)
     if grammar is None:
         return BytePotentialConstraint(constraint, lm)
@@ -212,12 +220,13 @@ def completion_checks(constraints, lm) -> tuple:
     """The `CompletionCheck`s of a program's constraints that llguidance only over-approximates."""
     from genlm.control.potential import Potential
 
-    from smc_sd.program.genlm_lowering import lower
+    from smc_sd.program.genlm_lowering import factors, lower
 
     out = []
     for constraint in constraints:
         if isinstance(constraint, Potential) and is_byte_potential(constraint):
-            grammar = lower(constraint)
-            if grammar is not None and grammar.exact_check is not None:
-                out.append(CompletionCheck(grammar.exact_check, lm))
+            for part in factors(constraint):
+                grammar = lower(part)
+                if grammar is not None and grammar.exact_check is not None:
+                    out.append(CompletionCheck(grammar.exact_check, lm))
     return tuple(out)
