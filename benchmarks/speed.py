@@ -9,12 +9,17 @@ grid) each prompt is decoded once with a fixed seed. Reported per configuration:
   log p_T(x_t | x_<t) at T = 1; logprob_ratio_vs_ar: that mean / ar's (1.03 = 3% lower);
 - kv_peak_bytes: the KV cache's peak (target and draft); with --kv-compare every smc-sd
   configuration also runs with per-particle KV copies (kv_cache "copy") and its shared-cache
-  row gets paged_over_copy = its tokens/s / the copy twin's.
+  row gets paged_over_copy = its tokens/s / the copy twin's;
+- with --static-compare every configuration also runs on the static KV cache, eagerly and
+  compiled (torch.compile, CPU: no CUDA graphs): static_over_paged = the static twin's tokens/s /
+  the paged row's, compiled_over_eager = the compiled twin's / the static twin's. Compilation
+  happens in an untimed decode of the first prompt before the timed ones.
 
 On this project's CPU verification is not free (a [8, 5] forward costs about 3x a [1, 1] one),
 so CPU ratios show costs as measured; they are not GPU predictions (see gpu.py).
 
 Usage: python benchmarks/speed.py [--max-tokens 128] [--prompts 4] [--grid] [--draft self|distilled|DIR] [--kv-compare]
+       [--static-compare] [--labels "ar,sd K=2,smc-sd K=4 N=4"]
 """
 
 from __future__ import annotations
@@ -41,8 +46,11 @@ class Config:
     particles: int = 1
     draft_len: int = 0
     options: dict = field(default_factory=dict)
-    # the hf backend's KV cache: "paged" (shared by particles) or "copy" (one per particle)
+    # the hf backend's KV cache: "paged" (shared by particles), "copy" (one per particle) or
+    # "static" (fixed-shape buffers per particle)
     kv_cache: str = "paged"
+    # static cache only: the fixed-shape step runs through torch.compile
+    compile: bool = False
 
     @property
     def label(self) -> str:
@@ -54,6 +62,8 @@ class Config:
         parts += [f"{k}={v}" for k, v in sorted(self.options.items())]
         if self.kv_cache != "paged":
             parts.append(f"kv={self.kv_cache}")
+        if self.compile:
+            parts.append("compiled")
         return " ".join(parts)
 
 
@@ -98,7 +108,7 @@ def decode(config: Config, program, target, prompt: list[int], max_tokens: int, 
 
     for lm in (target, program.proposal.lm if program.proposal is not None else None):
         if hasattr(lm, "kv_cache"):
-            lm.kv_cache = config.kv_cache
+            lm.kv_cache, lm.compile = config.kv_cache, config.compile
     result = program.run(prompt, Schedule(config.particles, max_tokens=max_tokens), seed=seed)
     return {
         "tokens": len(result.tokens),
@@ -125,6 +135,14 @@ def measure(configs: list[Config], target, draft, prompts: list[list[int]], max_
     for config in configs:
         options = {"draft_len": config.draft_len, **config.options} if config.draft_len else dict(config.options)
         programs.append(build_program(config.method, target, draft, **options))
+    # wall seconds of the untimed first decode of each compiled configuration, which compiles its
+    # step shapes (those a configuration shares with an earlier one are compiled already)
+    warmup = {}
+    for config, program in zip(configs, programs):
+        if config.compile:
+            started = time.perf_counter()
+            decode(config, program, target, prompts[0], max_tokens, seed)
+            warmup[config.label] = time.perf_counter() - started
     runs = [[] for _ in configs]
     for i, prompt in enumerate(prompts):
         for config, program, done in zip(configs, programs, runs):
@@ -146,6 +164,7 @@ def measure(configs: list[Config], target, draft, prompts: list[list[int]], max_
             "kv_peak_bytes": max(r["kv_peak_bytes"] for r in done),
             "mean_target_logprob": mean_logprob,
             "mean_target_logprob_stderr": logprob_stderr,
+            **({"warmup_seconds": warmup[config.label]} if config.label in warmup else {}),
         })
     return rows
 
@@ -205,9 +224,15 @@ def main(argv=None) -> dict:
         "--kv-compare", action="store_true",
         help="hf backend: also run every smc-sd configuration with per-particle KV copies",
     )
+    parser.add_argument(
+        "--static-compare", action="store_true",
+        help="hf backend: also run every configuration on the static KV cache, eager and compiled",
+    )
+    parser.add_argument("--labels", default=None, help="comma-separated labels of the configurations to run (e.g. 'ar,sd K=2')")
     args = parser.parse_args(argv)
 
     from smc_sd.backends.hf import chat_prompt
+    from smc_sd.backends.static_hf import round_up
 
     if args.backend == "vllm":
         from smc_sd.backends.vllm import VLLMLanguageModel
@@ -222,12 +247,32 @@ def main(argv=None) -> dict:
 
     started = time.perf_counter()
     configs = grid() if args.grid else CONFIGS
+    if args.labels is not None:
+        wanted = [label.strip() for label in args.labels.split(",")]
+        unknown = sorted(set(wanted) - {c.label for c in configs})
+        if unknown:
+            parser.error(f"unknown configuration labels {unknown}; known: {[c.label for c in configs]}")
+        configs = [c for c in configs if c.label in wanted]
     if args.kv_compare and args.backend == "hf":
         configs = configs + [replace(c, kv_cache="copy") for c in configs if c.method == "smc-sd"]
+    if args.static_compare and args.backend == "hf":
+        plain = [c for c in configs if c.kv_cache == "paged"]
+        configs = configs + [replace(c, kv_cache="static") for c in plain] + [replace(c, kv_cache="static", compile=True) for c in plain]
+        # S positions per row: the longest prompt, the budget and one block of slack
+        for lm in (target, draft):
+            lm.static_length = round_up(max(map(len, prompts)) + args.max_tokens + 16)
     rows = measure(configs, target, draft, prompts, args.max_tokens, args.seed)
     for copy in (r for r in rows if r["kv_cache"] == "copy"):
         twin = next(r for r in rows if r["label"] == copy["label"].removesuffix(" kv=copy"))
         twin["paged_over_copy"] = twin["tokens_per_second"] / copy["tokens_per_second"]
+    for static in (r for r in rows if r["kv_cache"] == "static"):
+        base = static["label"].removesuffix(" compiled").removesuffix(" kv=static")
+        if static["compile"]:
+            eager = next(r for r in rows if r["label"] == base + " kv=static")
+            static["compiled_over_eager"] = static["tokens_per_second"] / eager["tokens_per_second"]
+        else:
+            paged = next(r for r in rows if r["label"] == base)
+            static["static_over_paged"] = static["tokens_per_second"] / paged["tokens_per_second"]
     ar = next(r["tokens_per_second"] for r in rows if r["method"] == "ar")
     ar_logprob = next(r["mean_target_logprob"] for r in rows if r["method"] == "ar")
     for r in rows:

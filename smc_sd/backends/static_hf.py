@@ -12,8 +12,8 @@ model's device. A forward appending L tokens to rows of length n:
 3. the logits [B, L, V] come back as float32.
 
 Every tensor in that forward has a shape fixed by (B, L, S) alone and `start` is read on the
-device, so one compiled graph serves every step of a shape (`torch.compile`: on CUDA with
-mode "reduce-overhead", which captures a CUDA graph per shape; on CPU without graphs). The
+device, so a compiled step never depends on the rows' length (`torch.compile`: on CUDA with
+mode "reduce-overhead", which captures one CUDA graph per (B, L, S); on CPU without graphs). The
 prompt's forward (one per run, its length varies) runs eagerly.
 
 `select(rows)` is a row gather on the device, `buffer[:, :, :n] = buffer.index_select(0, rows)`
@@ -23,7 +23,7 @@ masked until a later forward overwrites them.
 
 Buffers are reused: a model keeps the `StaticKV` of closed rows and hands them to the next open
 of the same (B, S), so their addresses stay fixed across runs (a captured CUDA graph reads and
-writes them in place). Shape changes allocate new buffers (and compile a new graph): a `select`
+writes them in place). Shape changes allocate new buffers (and may compile again): a `select`
 to B' != B rows, and an extend past the capacity S (which grows to round_up(max(2S, needed))).
 
 Invariants of `StaticHFSequences`: 1 <= length <= capacity; every buffer has batch_size rows and
@@ -31,6 +31,8 @@ capacity positions; after `close()` the buffers are back with the model and othe
 """
 
 from __future__ import annotations
+
+import inspect
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
@@ -41,6 +43,9 @@ from smc_sd.backends.base import Sequences, check_extend, check_rows, check_trun
 CAPACITY_STEP = 128
 # positions past the prompt a run may use before its buffers must grow
 DEFAULT_HEADROOM = 256
+# compilations of the step one process may make: torch counts them per function, over all models
+# and shapes (its default of 8 is fewer than a sweep over N and K with two models needs)
+MAX_COMPILED_SHAPES = 64
 
 
 def round_up(n: int, step: int = CAPACITY_STEP) -> int:
@@ -134,7 +139,9 @@ def causal_mask(start: torch.Tensor, length: int, capacity: int, dtype: torch.dt
     return torch.where(allowed, zero, torch.finfo(dtype).min)[None, None]
 
 
-def static_forward(model, tokens: torch.Tensor, cache: Cache, start: torch.Tensor, cache_kwarg: str) -> torch.Tensor:
+def static_forward(
+    model, tokens: torch.Tensor, cache: Cache, start: torch.Tensor, cache_kwarg: str, cache_position: bool
+) -> torch.Tensor:
     """One fixed-shape forward: append tokens at positions start .. start+L-1 of every row.
 
     This function is what `torch.compile` compiles; everything it reads is a tensor whose shape
@@ -146,6 +153,8 @@ def static_forward(model, tokens: torch.Tensor, cache: Cache, start: torch.Tenso
         cache: the rows' Cache of `StaticLayer`s ([B, H, S, D] each).
         start: [] int64, the rows' current length.
         cache_kwarg: the forward's name of its cache argument.
+        cache_position: whether the forward takes `cache_position` (transformers before 5.20,
+            which would otherwise derive it from the cache on the host).
 
     Returns:
         [B, L, V] float32 logits.
@@ -154,7 +163,8 @@ def static_forward(model, tokens: torch.Tensor, cache: Cache, start: torch.Tenso
     # [1, L]: the same positions for every row
     positions = (start + torch.arange(length, device=tokens.device))[None]
     mask = causal_mask(start, length, capacity, model.dtype)
-    out = model(input_ids=tokens, position_ids=positions, attention_mask=mask, use_cache=True, **{cache_kwarg: cache})
+    options = {cache_kwarg: cache, **({"cache_position": positions[0]} if cache_position else {})}
+    out = model(input_ids=tokens, position_ids=positions, attention_mask=mask, use_cache=True, **options)
     return out.logits.float()
 
 
@@ -166,21 +176,35 @@ class StaticRuntime:
         cache_kwarg: the forward's name of its cache argument.
         compile: run `static_forward` through `torch.compile` (CUDA: mode "reduce-overhead", one
             CUDA graph per (B, L, S); CPU: mode "default", no graphs); the prompt stays eager.
+            Shapes are automatically dynamic: the first (B, L) compiles a static graph, the first
+            other L (or B) recompiles once with that size symbolic, so a model compiles about
+            three times in all, not once per shape.
     """
 
     def __init__(self, model, cache_kwarg: str, compile: bool = False):
         self.model, self.cache_kwarg = model, cache_kwarg
+        self.cache_position = "cache_position" in inspect.signature(model.forward).parameters
         self.step = static_forward
         if compile:
-            mode = "reduce-overhead" if model.device.type == "cuda" else "default"
-            self.step = torch.compile(static_forward, mode=mode, dynamic=False, fullgraph=True)
+            graphs = model.device.type == "cuda"
+            compiled = torch.compile(static_forward, mode="reduce-overhead" if graphs else "default", fullgraph=True)
+
+            def step(*args):
+                if graphs:
+                    # the previous replay's outputs were copied out: the graphs may overwrite them
+                    torch.compiler.cudagraph_mark_step_begin()
+                with torch._dynamo.config.patch(recompile_limit=MAX_COMPILED_SHAPES):
+                    return compiled(*args)
+
+            self.step = step
         # (B, S) -> buffers of closed rows, ready for the next open of that shape
         self._free: dict[tuple[int, int], list[StaticKV]] = {}
 
     def forward(self, tokens: torch.Tensor, kv: StaticKV) -> torch.Tensor:
         """[B, L, V] float32 logits of the step appending tokens [B, L] at kv.start (a fresh tensor)."""
+        logits = self.step(self.model, tokens, kv.cache, kv.start, self.cache_kwarg, self.cache_position)
         # a CUDA graph's output is overwritten by its next replay: copy it out
-        return self.step(self.model, tokens, kv.cache, kv.start, self.cache_kwarg).clone()
+        return logits.clone()
 
     def take(self, batch_size: int, capacity: int) -> StaticKV:
         """Buffers of B rows and S positions: a free set of that shape, or new ones."""
@@ -228,7 +252,9 @@ class StaticHFSequences(Sequences):
             with torch.inference_mode():
                 kv.start.fill_(0)
                 # [1, P, V]
-                logits = static_forward(runtime.model, tokens, kv.first_row_cache(), kv.start, runtime.cache_kwarg)
+                logits = static_forward(
+                    runtime.model, tokens, kv.first_row_cache(), kv.start, runtime.cache_kwarg, runtime.cache_position
+                )
                 kv.broadcast_first_row(len(prompt))
         except BaseException:
             runtime.give_back(kv)
