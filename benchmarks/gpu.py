@@ -1,36 +1,54 @@
-"""Per-cycle cost of ar, sd and smc-sd on an H200-class CUDA GPU, with real-sized random models.
+"""The library's engine end to end on the compiled static-KV hf path, with real-sized random models.
 
-No weights can be downloaded on the GPU machine, and timing does not depend on weight values, so
-the target is a Llama-3.1-8B-shaped and the draft a Llama-3.2-1B-shaped model with random bf16
-weights (HF eager, batch 1, a 256-token prompt in the KV cache). Per cycle:
-- ar: one target forward of [1, 1] tokens; 1 token per cycle.
-- sd(K): K draft forwards of [1, 1] and one target forward of [1, K + 1]; tokens per cycle are
-  the standard expectation (1 - a^(K+1)) / (1 - a) at acceptance rate a (shown for a = 0.6..0.9;
-  acceptance is a property of the real draft/target pair, not of random weights).
-- smc-sd(N, K): K draft forwards of [N, 1], one target forward of [N, K + 1] and one resampling
-  (a row gather of both KV caches); exactly K + 1 tokens per cycle, whatever the acceptance.
-tokens/s = tokens per cycle / cycle time. Next to them: the memory-bandwidth floor of one target
-step, (weight bytes + KV bytes) / bandwidth, which a CUDA-graph-captured static step approaches
-and eager HF (launch-bound) does not.
+No weights travel to the GPU machine and timing does not depend on weight values, so the target
+is a Llama-3.1-8B-shaped and the draft a Llama-3.2-1B-shaped model with random bf16 weights built
+from a config (`--shapes 8b`; `--shapes tiny` for a smoke run). Both run as
+`HFLanguageModel(kv_cache="static", compile=True)`: fixed-shape KV buffers and a torch.compile'd
+step (CUDA: mode "reduce-overhead", one CUDA graph per shape). Batch 1, a 256-token random
+prompt, 256 new tokens. Settings: ar, exact sd at K = 4, smc-sd at N in {4, 8, 16} x K in {4, 8},
+each run through `Program.run` (the engine, unchanged) after an untimed run that compiles its
+shapes.
 
-Usage: python benchmarks/gpu.py [--shapes llama|tiny] [--device cuda] [--iters 20]
-(`--shapes tiny --device cpu` is a smoke test of the script itself.) Sized to finish in under
-5 minutes on an H200: 16 settings, each 3 warm-up and 20 timed cycles (not yet run on one).
+The engine draws its random numbers on the host (its generator is a CPU one), so every forward's
+logits cross to the host (`HostLogits`): one device-to-host copy and sync per forward, included
+in the timings. Per setting:
+- cycle_ms: the median time between consecutive cycles of the timed run (one target pass each);
+- forward_ms: the median time of the same cycle's backend calls alone (K draft steps [N, 1], the
+  verify [N, K + 1], a resampling row gather), logits left on the device: what a cycle kept on the
+  device (sampling, weights, ESS and resampling there) would approach;
+- tokens_per_cycle: 1 for ar; K + 1 for smc-sd (exact: every particle advances K + 1 per pass);
+  for sd (1 - a^(K+1)) / (1 - a) at the acceptance a of `--acceptance` (random weights make the
+  drawn tokens meaningless; the default a is the distilled draft's held-out acceptance measured on
+  the CPU, benchmarks/results/draft_quality.json);
+- tokens_per_second = tokens_per_cycle / cycle_ms, and speedup_vs_ar;
+- roofline_fraction = (bytes a cycle must read) / bandwidth / cycle_ms, where the bytes are the
+  target's weights once, the draft's weights K times (input embeddings excluded unless tied to the
+  head, since a step reads only N of their rows) and the KV of the live positions (mean length
+  prompt + new / 2) of every row, once per forward; bandwidth is measured here by a device copy
+  (bytes read + bytes written per second). forward_roofline_fraction is the same for forward_ms.
+Before timing, correctness checks run on the device at tiny size in fp32: compiled vs eager
+logits of the static step (within 1e-4) and the backend laws of `smc_sd.testing`.
+
+Usage: python benchmarks/gpu.py [--shapes 8b|tiny] [--device cuda|cpu] [--acceptance A]
+(`--shapes tiny --device cpu` is a smoke run of the whole script, about a minute here; only a
+CUDA run writes benchmarks/results/gpu.json.)
 """
 
 from __future__ import annotations
 
 import argparse
-import inspect
+import json
+import pathlib
 import statistics
+import sys
 import time
 
 import torch
 
-from _common import emit, environment
+from _common import RESULTS, build_program, emit, environment
 
 SHAPES = {
-    "llama": {
+    "8b": {
         "target": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
                        num_key_value_heads=8, vocab_size=128256, rope_theta=500000.0, tie_word_embeddings=False),
         "draft": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
@@ -39,25 +57,25 @@ SHAPES = {
         "names": ("Llama-3.1-8B-shaped", "Llama-3.2-1B-shaped"),
     },
     "tiny": {
-        "target": dict(hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4,
+        "target": dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
                        num_key_value_heads=2, vocab_size=1024),
-        "draft": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        "draft": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
                       num_key_value_heads=2, vocab_size=1024),
         "names": ("tiny target", "tiny draft"),
     },
 }
-DRAFT_LENS = (2, 4, 8)
-PARTICLES = (4, 8, 16, 32)
-ACCEPTANCE = (0.6, 0.7, 0.8, 0.9)
-# measured device-to-device copy on the project's H200 (TB/s); the datasheet says 4.8
-H200_BANDWIDTH_TBS = 4.27
+SD_DRAFT_LEN = 4
+PARTICLES = (4, 8, 16)
+DRAFT_LENS = (4, 8)
+ACCEPTANCE_FILE = RESULTS / "draft_quality.json"
 
 
-def build(config_kwargs: dict, device: str, dtype: torch.dtype):
+def build(config_kwargs: dict, device: str, dtype: torch.dtype, seed: int):
     """A LlamaForCausalLM with random weights, created directly on `device` in `dtype`."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(max_position_embeddings=8192, **config_kwargs)
+    torch.manual_seed(seed)
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
@@ -68,76 +86,189 @@ def build(config_kwargs: dict, device: str, dtype: torch.dtype):
     return model.eval()
 
 
-class Rows:
-    """B rows of one model sharing a prompt, in one DynamicCache; `step` times a forward and
-    rolls the cache back, so every timed forward sees the same prompt length."""
+class RandomTokenizer:
+    """What the backend needs of a tokenizer for models whose tokens mean nothing: V ids, EOS = V - 1."""
 
-    def __init__(self, model, prompt_len: int, batch: int):
-        from transformers import DynamicCache
+    def __init__(self, vocab: int):
+        self.vocab, self.eos_token_id = vocab, vocab - 1
 
-        self.model = model
-        self.kwarg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
-        self.vocab = model.config.vocab_size
-        self.cache = DynamicCache()
-        prompt = torch.randint(self.vocab, (1, prompt_len), device=model.device)
-        self.forward(prompt)
-        with torch.inference_mode():
-            self.cache.batch_repeat_interleave(batch)
-        self.length, self.batch = prompt_len, batch
+    def get_vocab(self) -> dict[str, int]:
+        return {f"<{i}>": i for i in range(self.vocab)}
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        """Append tokens [B, L] at the cache's end; return logits [B, L, V]."""
-        start = self.cache.get_seq_length()
-        positions = torch.arange(start, start + tokens.shape[1], device=tokens.device)[None]
-        with torch.inference_mode():
-            return self.model(input_ids=tokens, position_ids=positions, use_cache=True,
-                              **{self.kwarg: self.cache}).logits
-
-    def rollback(self) -> None:
-        extra = self.cache.get_seq_length() - self.length
-        if extra > 0:
-            with torch.inference_mode():
-                # a negative argument removes that many positions (every transformers 4.4x-5.x)
-                self.cache.crop(-extra)
-
-    def tokens(self, length: int) -> torch.Tensor:
-        # [B, length] random ids
-        return torch.randint(self.vocab, (self.batch, length), device=self.model.device)
+    def decode(self, ids, **_) -> str:
+        return " ".join(f"<{i}>" for i in ids)
 
 
-def cycle_ms(target, draft, particles: int, draft_len: int, prompt_len: int, device: str, iters: int,
-             resample: bool) -> float:
-    """Median milliseconds of one cycle: K draft steps [N, 1], a target step [N, K + 1] and (for
-    smc-sd) one resampling gather of both caches; caches are rolled back outside the timing."""
-    t_rows = Rows(target, prompt_len, particles)
-    d_rows = Rows(draft, prompt_len, particles) if draft_len else None
-    block = t_rows.tokens(draft_len + 1)
-    ancestors = torch.arange(particles, device=device).flip(0)
+def static_lm(model, compile: bool, static_length: int):
+    from smc_sd.backends.hf import HFLanguageModel
 
-    def cycle():
-        for _ in range(draft_len):
-            logits = d_rows.forward(d_rows.tokens(1))
-            torch.multinomial(torch.softmax(logits[:, -1].float(), -1), 1)
-        logits = t_rows.forward(block)
-        torch.log_softmax(logits.float(), -1)
-        if resample:
-            with torch.inference_mode():
-                t_rows.cache.batch_select_indices(ancestors)
-                d_rows.cache.batch_select_indices(ancestors)
+    tokenizer = RandomTokenizer(model.config.vocab_size)
+    return HFLanguageModel(model, tokenizer, kv_cache="static", compile=compile, static_length=static_length)
 
-    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
+
+def host_logits(lm):
+    """`lm` with every logits tensor copied to the host, where the engine draws its random numbers."""
+    from smc_sd.backends.base import LanguageModel, Sequences
+
+    class HostRows(Sequences):
+        def __init__(self, rows):
+            self.rows = rows
+
+        batch_size = property(lambda self: self.rows.batch_size)
+        length = property(lambda self: self.rows.length)
+
+        def extend(self, tokens):
+            # one device-to-host copy, which waits for the forward: the cycle's host sync
+            return self.rows.extend(tokens).cpu()
+
+        def select(self, rows):
+            self.rows.select(rows)
+
+        def truncate(self, length):
+            self.rows.truncate(length)
+
+        def close(self):
+            self.rows.close()
+
+        def memory(self):
+            return self.rows.memory()
+
+    class HostLM(LanguageModel):
+        tokenizer = lm.tokenizer
+        vocabulary = lm.vocabulary
+        max_length = lm.max_length
+
+        def open(self, prompt, batch_size):
+            rows, logits = lm.open(prompt, batch_size)
+            return HostRows(rows), logits.cpu()
+
+    return HostLM()
+
+
+def device_name(device: str) -> str:
+    """The GPU's name, or the processor's model name as lscpu reports it."""
+    if device.startswith("cuda"):
+        return torch.cuda.get_device_name(torch.device(device))
+    for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("model name"):
+            return "cpu: " + line.split(":", 1)[1].strip()
+    return "cpu"
+
+
+def synchronize(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def copy_bandwidth(device: str, megabytes: int) -> float:
+    """Bytes read plus bytes written per second by a device copy of `megabytes` MB (median of 10)."""
+    source = torch.empty(megabytes * 2**20, dtype=torch.uint8, device=device)
+    target = torch.empty_like(source)
     times = []
-    for i in range(iters + 3):
-        sync()
+    for _ in range(12):
+        synchronize(device)
         start = time.perf_counter()
-        cycle()
-        sync()
-        if i >= 3:
+        target.copy_(source)
+        synchronize(device)
+        times.append(time.perf_counter() - start)
+    return 2 * source.numel() / statistics.median(times[2:])
+
+
+def check_correctness(device: str) -> dict:
+    """Compiled vs eager logits of the static step and the backend laws, tiny fp32 Llama on `device`.
+
+    Raises:
+        SystemExit: if a check fails (nothing is timed then).
+    """
+    from smc_sd import testing
+
+    config = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, vocab_size=64)
+    model = build(config, device, torch.float32, seed=1)
+    eager, compiled = static_lm(model, False, 64), static_lm(model, True, 64)
+    prompt = [5, 3, 9, 1, 7]
+    # [2, 6] int64 continuation rows
+    tokens = torch.randint(64, (2, 6), generator=torch.Generator().manual_seed(2))
+    rows = [lm.open(prompt, 2)[0] for lm in (eager, compiled)]
+    deviation = 0.0
+    for chunk in (tokens[:, :3], tokens[:, 3:]):
+        logits = [r.extend(chunk) for r in rows]
+        deviation = max(deviation, (logits[0] - logits[1]).abs().max().item())
+        for r in rows:
+            r.select(torch.tensor([1, 0]))
+    for r in rows:
+        r.close()
+    if not deviation <= 1e-4:
+        raise SystemExit(f"gpu.py: compiled logits differ from eager ones by {deviation:.3g} > 1e-4")
+    laws = {
+        "extend_matches_full_forward": lambda: testing.assert_extend_matches_full_forward(eager, prompt, tokens, 1e-4),
+        "select_consistent": lambda: testing.assert_select_consistent(eager, prompt, tokens, torch.tensor([1, 1, 0]), 1e-4),
+        "truncate_consistent": lambda: testing.assert_truncate_consistent(eager, prompt, tokens, 2, 1e-4),
+    }
+    for name, law in laws.items():
+        try:
+            law()
+        except AssertionError as error:
+            raise SystemExit(f"gpu.py: backend law {name} fails on {device}: {error}")
+    return {"compiled_vs_eager_max_abs": deviation, "laws_passed": sorted(laws), "atol": 1e-4}
+
+
+def read_bytes(model, rows: int, positions: float) -> float:
+    """Bytes one forward must read: the weights (the input embedding only if tied to the head) and
+    the KV of `positions` positions of `rows` rows."""
+    c = model.config
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    if not c.tie_word_embeddings:
+        weights -= model.get_input_embeddings().weight.numel() * model.get_input_embeddings().weight.element_size()
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    kv_per_position = 2 * c.num_hidden_layers * c.num_key_value_heads * head_dim * model.dtype.itemsize
+    return weights + rows * positions * kv_per_position
+
+
+def time_engine(method: str, target, draft, particles: int, draft_len: int, prompt: list[int], new_tokens: int) -> dict:
+    """Run the engine once untimed (compiling its shapes), then once timed; the timed run's cycles."""
+    from smc_sd import Schedule
+
+    options = {"draft_len": draft_len} if draft_len else {}
+    program = build_program(method, host_logits(target), host_logits(draft), **options)
+    program.run(prompt, Schedule(particles, max_tokens=3 * (draft_len + 1) + 2), seed=1)
+    stamps = []
+    result = program.run(prompt, Schedule(particles, max_tokens=new_tokens), seed=0,
+                         on_cycle=lambda *_: stamps.append(time.perf_counter()))
+    gaps = [1000 * (b - a) for a, b in zip(stamps, stamps[1:])]
+    return {"cycle_ms": statistics.median(gaps), "cycles": len(result.cycles), "seconds": result.seconds,
+            "resamples": result.resamples, "generated": len(result.tokens)}
+
+
+def time_forwards(method: str, target, draft, particles: int, draft_len: int, prompt: list[int], device: str,
+                  iters: int) -> float:
+    """Median ms of one cycle's backend calls alone, logits left on the device."""
+    target_rows, _ = target.open(prompt, particles)
+    draft_rows = draft.open(prompt, particles)[0] if draft_len else None
+    vocab = target.vocabulary.size
+    ancestors = torch.arange(particles).flip(0)
+    times = []
+    for i in range(iters + 2):
+        # [N, K + 1] random ids: what a cycle feeds its forwards
+        block = torch.randint(vocab - 1, (particles, draft_len + 1))
+        synchronize(device)
+        start = time.perf_counter()
+        for k in range(draft_len):
+            draft_rows.extend(block[:, k : k + 1])
+        target_rows.extend(block)
+        if method == "smc-sd":
+            target_rows.select(ancestors)
+            draft_rows.select(ancestors)
+        synchronize(device)
+        if i >= 2:
             times.append(1000 * (time.perf_counter() - start))
-        t_rows.rollback()
-        if d_rows is not None:
-            d_rows.rollback()
-    del t_rows, d_rows
+        # every timed cycle sees the same lengths
+        target_rows.truncate(len(prompt))
+        if draft_rows is not None:
+            draft_rows.truncate(len(prompt))
+    target_rows.close()
+    if draft_rows is not None:
+        draft_rows.close()
     return statistics.median(times)
 
 
@@ -146,75 +277,94 @@ def expected_sd_tokens(acceptance: float, draft_len: int) -> float:
     return (1 - acceptance ** (draft_len + 1)) / (1 - acceptance)
 
 
-def memory_floor_ms(model, prompt_len: int, bandwidth_tbs: float) -> tuple[float, float]:
-    """(floor ms, bytes): reading every weight and the prompt's KV once at `bandwidth_tbs`."""
-    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    c = model.config
-    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-    kv_bytes = 2 * c.num_hidden_layers * c.num_key_value_heads * head_dim * prompt_len * 2
-    total = weight_bytes + kv_bytes
-    return 1000 * total / (bandwidth_tbs * 1e12), total
+def settings() -> list[tuple[str, int, int]]:
+    """(method, N, K): compiled ar, exact sd at K = SD_DRAFT_LEN, smc-sd over PARTICLES x DRAFT_LENS."""
+    return [("ar", 1, 0), ("sd", 1, SD_DRAFT_LEN)] + [("smc-sd", n, k) for n in PARTICLES for k in DRAFT_LENS]
 
 
-def table(data: dict) -> str:
-    lines = [f"{'method':<22}{'cycle ms':>10}{'tok/cycle':>11}{'tok/s':>10}{'x ar':>8}"]
-    for r in data["rows"]:
-        lines.append(f"{r['label']:<22}{r['cycle_ms']:>10.2f}{r['tokens_per_cycle']:>11.2f}"
-                     f"{r['tokens_per_second']:>10.1f}{r['speedup_vs_ar']:>8.2f}")
-    f = data["floor"]
-    lines.append(f"{'target step floor':<22}{f['ms']:>10.2f}{1:>11.2f}{1000 / f['ms']:>10.1f}"
-                 f"{(1000 / f['ms']) / data['rows'][0]['tokens_per_second']:>8.2f}")
-    return "\n".join(lines)
+def default_acceptance() -> tuple[float | None, str]:
+    if not ACCEPTANCE_FILE.exists():
+        return None, "missing"
+    value = json.loads(ACCEPTANCE_FILE.read_text())["acceptance"]
+    return value, f"{ACCEPTANCE_FILE.relative_to(RESULTS.parent.parent)}: the distilled draft's held-out acceptance (1 - TV) against SmolLM2-135M, measured on CPU"
 
 
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--shapes", choices=sorted(SHAPES), default="llama")
-    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--shapes", choices=sorted(SHAPES), default=None, help="default: 8b on CUDA, tiny on CPU")
     parser.add_argument("--prompt-len", type=int, default=256)
-    parser.add_argument("--iters", type=int, default=20)
-    parser.add_argument("--bandwidth", type=float, default=H200_BANDWIDTH_TBS, help="memory bandwidth, TB/s")
-    parser.add_argument("--no-write", action="store_true", help="print JSON only; write no files")
+    parser.add_argument("--new-tokens", type=int, default=256)
+    parser.add_argument("--acceptance", type=float, default=None, help="sd's per-token acceptance a (default: from draft_quality.json)")
+    parser.add_argument("--iters", type=int, default=10, help="timed repetitions of each cycle's forwards")
+    parser.add_argument("--no-write", action="store_true", help="print JSON only (a CPU run never writes)")
     args = parser.parse_args(argv)
     if args.device.startswith("cuda") and not torch.cuda.is_available():
-        raise SystemExit("gpu.py: no CUDA device; use --shapes tiny --device cpu for a smoke run")
+        parser.error("no CUDA device here; use --shapes tiny --device cpu for a smoke run")
+    shapes_name = args.shapes or ("8b" if args.device.startswith("cuda") else "tiny")
+    acceptance, source = (args.acceptance, "--acceptance") if args.acceptance is not None else default_acceptance()
+    if acceptance is None or not 0 <= acceptance < 1:
+        parser.error(f"sd needs an acceptance in [0, 1) (--acceptance; {ACCEPTANCE_FILE} is {source})")
 
     started = time.perf_counter()
+    checks = check_correctness(args.device)
     dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32
-    shapes = SHAPES[args.shapes]
-    target = build(shapes["target"], args.device, dtype)
-    draft = build(shapes["draft"], args.device, dtype)
-    time_cycle = lambda n, k, resample: cycle_ms(target, draft, n, k, args.prompt_len, args.device, args.iters, resample)
+    shapes = SHAPES[shapes_name]
+    target_model = build(shapes["target"], args.device, dtype, seed=0)
+    draft_model = build(shapes["draft"], args.device, dtype, seed=1)
+    # S: the prompt, the budget and one block of slack, as a multiple of 128
+    capacity = -(-(args.prompt_len + args.new_tokens + max(DRAFT_LENS) + 2) // 128) * 128
+    target, draft = static_lm(target_model, True, capacity), static_lm(draft_model, True, capacity)
+    bandwidth = copy_bandwidth(args.device, 1024 if args.device.startswith("cuda") else 256)
+    # [prompt_len] random ids below EOS
+    prompt = torch.randint(shapes["target"]["vocab_size"] - 1, (args.prompt_len,), generator=torch.Generator().manual_seed(0)).tolist()
+    mean_positions = args.prompt_len + args.new_tokens / 2
 
-    ar_ms = time_cycle(1, 0, False)
-    rows = [{"label": "ar", "method": "ar", "particles": 1, "draft_len": 0, "cycle_ms": ar_ms, "tokens_per_cycle": 1.0}]
-    for k in DRAFT_LENS:
-        ms = time_cycle(1, k, False)
-        for a in ACCEPTANCE:
-            rows.append({"label": f"sd K={k} a={a}", "method": "sd", "particles": 1, "draft_len": k, "acceptance": a,
-                         "cycle_ms": ms, "tokens_per_cycle": expected_sd_tokens(a, k)})
-    for n in PARTICLES:
-        for k in DRAFT_LENS:
-            rows.append({"label": f"smc-sd N={n} K={k}", "method": "smc-sd", "particles": n, "draft_len": k,
-                         "cycle_ms": time_cycle(n, k, True), "tokens_per_cycle": float(k + 1)})
+    rows = []
+    for method, n, k in settings():
+        engine = time_engine(method, target, draft, n, k, prompt, args.new_tokens)
+        forward_ms = time_forwards(method, target, draft, n, k, prompt, args.device, args.iters)
+        tokens = {"ar": 1.0, "sd": expected_sd_tokens(acceptance, k), "smc-sd": float(k + 1)}[method]
+        cycle_bytes = read_bytes(target_model, n, mean_positions) + k * read_bytes(draft_model, n, mean_positions)
+        floor_ms = 1000 * cycle_bytes / bandwidth
+        label = {"ar": "ar", "sd": f"sd K={k}", "smc-sd": f"smc-sd N={n} K={k}"}[method]
+        rows.append({
+            "label": label, "method": method, "particles": n, "draft_len": k, **engine,
+            "forward_ms": forward_ms, "tokens_per_cycle": tokens,
+            "tokens_per_second": 1000 * tokens / engine["cycle_ms"],
+            "forward_tokens_per_second": 1000 * tokens / forward_ms,
+            "bytes_per_cycle": cycle_bytes, "roofline_ms": floor_ms,
+            "roofline_fraction": floor_ms / engine["cycle_ms"], "forward_roofline_fraction": floor_ms / forward_ms,
+        })
+        print(f"gpu.py: {label}: cycle {engine['cycle_ms']:.2f} ms, forwards {forward_ms:.2f} ms", file=sys.stderr, flush=True)
+    ar = rows[0]
     for r in rows:
-        r["tokens_per_second"] = 1000 * r["tokens_per_cycle"] / r["cycle_ms"]
-        r["speedup_vs_ar"] = r["tokens_per_second"] / rows[0]["tokens_per_second"]
-    floor_ms, floor_bytes = memory_floor_ms(target, args.prompt_len, args.bandwidth)
+        r["speedup_vs_ar"] = r["tokens_per_second"] / ar["tokens_per_second"]
+        r["forward_speedup_vs_ar"] = r["forward_tokens_per_second"] / ar["forward_tokens_per_second"]
+    top = max((r for r in rows if r["method"] == "smc-sd"), key=lambda r: r["tokens_per_second"])
     data = {
         "benchmark": "gpu",
+        "device": device_name(args.device),
+        "shapes": shapes_name,
         "target": shapes["names"][0],
         "draft": shapes["names"][1],
         "dtype": str(dtype).removeprefix("torch."),
-        "prompt_len": args.prompt_len,
         "batch": 1,
+        "prompt_len": args.prompt_len,
+        "new_tokens": args.new_tokens,
+        "static_length": capacity,
+        "acceptance": acceptance,
+        "acceptance_source": source,
+        "bandwidth_bytes_per_second": bandwidth,
+        "checks": checks,
+        # the memory floor of one ar step (one target forward at batch 1)
+        "floor": {"ms": ar["roofline_ms"], "bytes": ar["bytes_per_cycle"], "bandwidth_bytes_per_second": bandwidth},
         "environment": environment(),
-        "floor": {"ms": floor_ms, "bytes": floor_bytes, "bandwidth_tbs": args.bandwidth},
         "rows": rows,
+        "best": {"smc-sd_vs_ar": top["speedup_vs_ar"], "label": top["label"]},
         "wall_seconds": time.perf_counter() - started,
     }
-    emit("gpu", data, write=not args.no_write)
-    print(table(data))
+    emit("gpu", data, write=args.device.startswith("cuda") and not args.no_write)
     return data
 
 

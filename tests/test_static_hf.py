@@ -97,8 +97,9 @@ def test_static_logits_equal_the_copy_cache_through_growth_select_and_truncate(m
 
 
 def test_compiled_step_gives_the_eager_steps_logits(model, continuation):
-    """One shape, [2, 3] at capacity 128, compiled once (about 4 s on this project's CPU) and
-    replayed at three different start positions, before and after a select and a truncate."""
+    """One shape, [2, 3] at capacity 384, compiled once (7-11 s on this project's CPU, shared
+    with other jobs) and replayed at three start positions, before and after a select and a
+    truncate."""
     eager, compiled = lm(model, kv_cache="static"), lm(model, kv_cache="static", compile=True)
     rows = {name: backend.open(PROMPT, 2)[0] for name, backend in (("eager", eager), ("compiled", compiled))}
     graphs_before = counters["stats"]["unique_graphs"]
