@@ -23,16 +23,18 @@ RESULTS = pathlib.Path(__file__).resolve().parent / "results"
 
 
 # the help of every benchmark's --draft option (the names `load_default_models` takes)
-DRAFT_HELP = "'self' (the target without decoder layer 5, the default), 'distilled' (the shipped distilled draft) or a local draft model directory"
+DRAFT_HELP = "'self' (the target without decoder layer 5, the default), 'distilled' (the shipped distilled draft), 'feature' (the shipped feature-reading draft) or a local draft model directory"
 
 
 def load_default_models(draft_dir: str | None = None):
     """(target, draft): the embedded default model and the default draft, the self-speculative
-    draft ("self": the target without decoder layer 5), the shipped distilled draft ("distilled")
+    draft ("self": the target without decoder layer 5), the shipped distilled draft ("distilled"),
+    the shipped feature-reading draft ("feature", paired with this target)
     or a local draft directory."""
     from smc_sd.backends.hf import HFLanguageModel
 
-    return HFLanguageModel.default(), HFLanguageModel.named_draft(draft_dir)
+    target = HFLanguageModel.default()
+    return target, HFLanguageModel.named_draft(draft_dir, target=target)
 
 
 def describe_draft(draft: str | None) -> str:
@@ -41,6 +43,8 @@ def describe_draft(draft: str | None) -> str:
         return "the default draft (the target without decoder layer 5)"
     if draft == "distilled":
         return "the shipped distilled draft (--draft distilled: 6 layers over the target's embedding, 16384-token head)"
+    if draft == "feature":
+        return "the shipped feature-reading draft (--draft feature: one layer over the target's features, the target's tied head)"
     return f"the draft in {draft}"
 
 

@@ -18,7 +18,7 @@ grid) each prompt is decoded once with a fixed seed. Reported per configuration:
 On this project's CPU verification is not free (a [8, 5] forward costs about 3x a [1, 1] one),
 so CPU ratios show costs as measured; they are not GPU predictions (see gpu.py).
 
-Usage: python benchmarks/speed.py [--max-tokens 128] [--prompts 4] [--grid] [--draft self|distilled|DIR] [--kv-compare]
+Usage: python benchmarks/speed.py [--max-tokens 128] [--prompts 4] [--grid] [--draft self|distilled|feature|DIR] [--kv-compare]
        [--static-compare] [--labels "ar,sd K=2,smc-sd K=4 N=4"]
 """
 
@@ -183,11 +183,12 @@ def best(rows: list[dict], method: str, faithful: bool = False) -> dict | None:
 
 
 def results_name(draft: str | None) -> str:
-    """The results file's stem: "speed" with the default (self) draft, "speed_distilled" with the
-    shipped distilled draft, "speed_other" with a draft from a directory."""
+    """The results file's stem: "speed" with the default (self) draft, "speed_distilled" or
+    "speed_feature" with the shipped distilled or feature draft, "speed_other" with a draft from
+    a directory."""
     if draft in (None, "self"):
         return "speed"
-    return "speed_distilled" if draft == "distilled" else "speed_other"
+    return f"speed_{draft}" if draft in ("distilled", "feature") else "speed_other"
 
 
 def plot(rows: list[dict], name: str) -> list[str]:

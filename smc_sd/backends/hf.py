@@ -152,14 +152,22 @@ class HFLanguageModel(LanguageModel):
         return load_draft(default_model_dir(), device=device, **options)
 
     @classmethod
-    def named_draft(cls, name: str | None, target_dir=None, device: str | torch.device = "cpu") -> HFLanguageModel:
+    def named_draft(cls, name: str | None, target_dir=None, device: str | torch.device = "cpu", target=None) -> LanguageModel:
         """The draft a `--draft` value names.
 
-        None: `default_draft`; "self": `self_draft`; "distilled": `distilled_draft`; a directory
-        saved by the distillation recipe: that draft over the embedding of the target in
-        `target_dir` (default: the default model); any other path: a transformers model directory.
+        None: `default_draft`; "self": `self_draft`; "distilled": `distilled_draft`; "feature":
+        the shipped feature-reading draft (`smc_sd.backends.feature_draft`) of `target`, the
+        loaded default model it pairs with; a directory saved by the distillation recipe: that
+        draft over the embedding of the target in `target_dir` (default: the default model); a
+        directory saved by the feature recipe: that feature draft of `target`; any other path: a
+        transformers model directory.
+
+        Raises:
+            ValueError: for a feature draft without `target`.
         """
+        from smc_sd.backends.feature_draft import FeatureDraftLM
         from smc_sd.models.draft import is_draft_dir, load_draft
+        from smc_sd.models.feature_draft import FEATURE_DRAFT_DIR, is_feature_draft_dir, load_feature_draft
         from smc_sd.models.smollm2 import default_model_dir
 
         if name is None:
@@ -168,6 +176,10 @@ class HFLanguageModel(LanguageModel):
             return cls.self_draft(device)
         if name == "distilled":
             return cls.distilled_draft(device)
+        if name == "feature" or is_feature_draft_dir(name):
+            if target is None:
+                raise ValueError("a feature draft reads its target's hidden states: load the target first and pass it")
+            return FeatureDraftLM(target, load_feature_draft(target.model, FEATURE_DRAFT_DIR if name == "feature" else name))
         if is_draft_dir(name):
             return load_draft(target_dir or default_model_dir(), name, device=device)
         return cls.from_pretrained(name, device=device)

@@ -15,7 +15,8 @@ The recipe, every step seeded and offline:
 
        loss_s = mean_t [ - sum_v p_{t+1}(v) log q^(s)_t(v) ]   (= KL(p || q) + const),
 
-   over the positions t whose predicted token is a reply token, and the loss is mean_s loss_s.
+   over the positions t the engines draft at block position s (the verified position t - s + 1
+   at or after the prompt's last token), and the loss is mean_s loss_s.
    AdamW, linear warm-up then cosine decay, gradient norm clipped at 1. An optional second phase
    (`--tv-epochs`) minimises mean_s TV(p, q^(s)) = 1 - acceptance, as the distilled draft's
    recipe does.
@@ -110,8 +111,9 @@ def unrolled_loss(draft: FeatureDraft, samples: list[FeatureSample], steps: int)
     starts = torch.tensor([s.start for s in samples])[:, None]
     cross_entropy, acceptance = [], []
     for s, out in enumerate(outputs, start=1):
-        # draft position t predicts x_{t+2}: a reply token that exists, s - 1 steps past a real position
-        scored = (t >= s - 1) & (t + 2 <= lengths - 1) & (t + 2 >= starts)
+        # draft position t predicts x_{t+2}, a token that exists, s - 1 steps past the verified
+        # position t - s + 1, which the engines never place before the prompt's last token
+        scored = (t - s + 1 >= starts - 1) & (t + 2 <= lengths - 1)
         rows, cols = scored.nonzero(as_tuple=True)
         with torch.no_grad():
             # [P, V] the target's distributions p_{t+1}
