@@ -13,6 +13,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from smc_sd import Schedule, testing
 from smc_sd.backends.base import LanguageModel, Sequences
+from smc_sd.backends.toy import ToyLM
 from smc_sd.backends.feature_draft import FeatureDraftLM
 from smc_sd.backends.hf import HFLanguageModel
 from smc_sd.metrics import empirical, total_variation, tv_tolerance
@@ -146,9 +147,9 @@ def test_plain_target_rows_keep_no_features(model):
         rows.features
 
 
-@pytest.mark.parametrize("layers", [(1,), (0, 1)], ids=["last", "fused"])
-def test_draft_is_the_factorisation_given_the_same_target_features(model, continuation, layers):
-    testing.assert_extend_matches_full_forward(Paired(feature_draft(model, layers)), PROMPT, continuation, ATOL)
+@pytest.mark.parametrize("layers,prompt", [((1,), PROMPT), ((0, 1), PROMPT), ((1,), [3])], ids=["last", "fused", "one-token prompt"])
+def test_draft_is_the_factorisation_given_the_same_target_features(model, continuation, layers, prompt):
+    testing.assert_extend_matches_full_forward(Paired(feature_draft(model, layers)), prompt, continuation, ATOL)
 
 
 @pytest.mark.parametrize("ancestors", [[1, 1, 0], [0, 0], [1, 0]], ids=["fork", "shrink", "permute"])
@@ -200,6 +201,9 @@ def test_draft_refuses_rows_it_cannot_pair_with(model, continuation):
     copy = HFLanguageModel(model, draft.tokenizer, kv_cache="copy")
     with pytest.raises(ValueError, match="paged"):
         FeatureDraftLM(copy, draft.model)
+    # any other backend (vLLM, toy) keeps no hidden states for the draft
+    with pytest.raises(ValueError, match="only the hf backend"):
+        FeatureDraftLM(ToyLM.random(4, seed=0), draft.model)
 
 
 def test_saved_draft_loads_to_its_fp16_weights(model, tmp_path):
