@@ -51,13 +51,21 @@ class Masker:
         """
         started = time.perf_counter()
         n = len(prefixes)
-        mask = torch.ones(n, self.vocab_size, dtype=torch.bool)
         rows = live.nonzero().flatten().tolist()
         if rows:
             live_prefixes = [prefixes[i] for i in rows]
-            for constraint in self.constraints:
-                mask[rows] &= constraint.mask(live_prefixes)
-        dead = live & ~mask.any(1)
+            # [len(rows), V] bool: the conjunction over the constraints
+            combined = self.constraints[0].mask(live_prefixes)
+            for constraint in self.constraints[1:]:
+                combined = combined & constraint.mask(live_prefixes)
+        if rows and len(rows) == n:
+            mask = combined
+        else:
+            mask = torch.ones(n, self.vocab_size, dtype=torch.bool)
+            if rows:
+                mask[rows] = combined
+        # a row-wise any() as a uint8 max: torch's bool any() is 20x slower on CPU
+        dead = live & ~mask.view(torch.uint8).amax(1).bool()
         elapsed = time.perf_counter() - started
         self.calls += 1
         self.seconds += elapsed

@@ -105,11 +105,12 @@ def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """
     # [B, 4 W] uint8 in little-endian order, so bit j of byte c is token 8 c + j
     data = bitmask.numpy().astype("<i4", copy=False).view(np.uint8)
-    # [B, 32 W] uint8
-    bits = torch.from_numpy(np.unpackbits(data, axis=1, bitorder="little"))
+    # [B, 32 W] bool (unpackbits writes 0/1 bytes, valid bools)
+    bits = torch.from_numpy(np.unpackbits(data, axis=1, bitorder="little")).view(torch.bool)
+    if bits.shape[1] >= vocab_size:
+        return bits[:, :vocab_size]
     out = torch.zeros(bitmask.shape[0], vocab_size, dtype=torch.bool)
-    width = min(vocab_size, bits.shape[1])
-    out[:, :width] = bits[:, :width].bool()
+    out[:, : bits.shape[1]] = bits
     return out
 
 
@@ -166,4 +167,4 @@ class GrammarConstraint(TokenConstraint):
         self._prune()
         # [U, V] bool, then [B, V] bool in the order asked
         masks = unpack_bitmask(bitmask, self.vocab_size) & self._allowed
-        return masks[[rows[key] for key in keys]]
+        return masks if len(rows) == len(keys) else masks[[rows[key] for key in keys]]
