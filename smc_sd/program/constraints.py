@@ -6,10 +6,11 @@ ever asks one question of it, for a batch of generated prefixes x_<t (prompt exc
     mask[b, v] = 1  iff  x_<t + v can still be completed in the language   (v != EOS)
     mask[b, EOS] = 1  iff  x_<t itself is a complete string of the language.
 
-With an exact prefix test the product of the masks along a sequence is phi of the sequence (for
-a sequence cut by the token budget: 1 iff it is still a viable prefix), so masking both the draft
-and the bonus token and adding the masked normalisers to the weights targets
-p_T(x)^alpha · phi(x) exactly. A prefix whose mask is all zero is a dead end.
+With an exact prefix test the product of the masks along a sequence is phi of the sequence, so
+masking both the draft and the bonus token and adding the masked normalisers to the weights
+targets p_T(x)^alpha · phi(x) exactly. A sequence the token budget cuts has phi = 1 iff it is
+itself complete (mask[EOS] after it), which the engine applies to the final weights. A prefix
+whose mask is all zero is a dead end.
 """
 
 from __future__ import annotations
