@@ -6,11 +6,11 @@ from a config (`--shapes 8b`; `--shapes tiny` for a smoke run). Both run as
 `HFLanguageModel(kv_cache="static", compile=True)`: fixed-shape KV buffers and a torch.compile'd
 step (CUDA: mode "reduce-overhead", one CUDA graph per shape). Batch 1, a 256-token random
 prompt, 256 new tokens. Settings: ar, exact sd at K = 4, smc-sd at N in {4, 8, 16} x K in {4, 8},
-each run through `Program.run` (the engine, unchanged) after an untimed run that compiles its
-shapes.
+each run through `Program.run` (the engine, unchanged) after an untimed short run that compiles
+its shapes (its wall time is warmup_seconds; shapes compiled for an earlier setting are reused).
 
 The engine draws its random numbers on the host (its generator is a CPU one), so every forward's
-logits cross to the host (`HostLogits`): one device-to-host copy and sync per forward, included
+logits cross to the host (`host_logits`): one device-to-host copy and sync per forward, included
 in the timings. Per setting:
 - cycle_ms: the median time between consecutive cycles of the timed run (one target pass each);
 - forward_ms: the median time of the same cycle's backend calls alone (K draft steps [N, 1], the
@@ -29,7 +29,7 @@ in the timings. Per setting:
 Before timing, correctness checks run on the device at tiny size in fp32: compiled vs eager
 logits of the static step (within 1e-4) and the backend laws of `smc_sd.testing`.
 
-Usage: python benchmarks/gpu.py [--shapes 8b|tiny] [--device cuda|cpu] [--acceptance A]
+Usage: python benchmarks/gpu.py [--shapes 8b|tiny] [--device cuda|cpu] [--acceptance A] [--settings "sd K=4,smc-sd N=8 K=4"]
 (`--shapes tiny --device cpu` is a smoke run of the whole script, about a minute here; only a
 CUDA run writes benchmarks/results/gpu.json.)
 """
@@ -231,13 +231,15 @@ def time_engine(method: str, target, draft, particles: int, draft_len: int, prom
 
     options = {"draft_len": draft_len} if draft_len else {}
     program = build_program(method, host_logits(target), host_logits(draft), **options)
+    started = time.perf_counter()
     program.run(prompt, Schedule(particles, max_tokens=3 * (draft_len + 1) + 2), seed=1)
+    warmup = time.perf_counter() - started
     stamps = []
     result = program.run(prompt, Schedule(particles, max_tokens=new_tokens), seed=0,
                          on_cycle=lambda *_: stamps.append(time.perf_counter()))
     gaps = [1000 * (b - a) for a, b in zip(stamps, stamps[1:])]
     return {"cycle_ms": statistics.median(gaps), "cycles": len(result.cycles), "seconds": result.seconds,
-            "resamples": result.resamples, "generated": len(result.tokens)}
+            "resamples": result.resamples, "generated": len(result.tokens), "warmup_seconds": warmup}
 
 
 def time_forwards(method: str, target, draft, particles: int, draft_len: int, prompt: list[int], device: str,
@@ -277,9 +279,14 @@ def expected_sd_tokens(acceptance: float, draft_len: int) -> float:
     return (1 - acceptance ** (draft_len + 1)) / (1 - acceptance)
 
 
-def settings() -> list[tuple[str, int, int]]:
-    """(method, N, K): compiled ar, exact sd at K = SD_DRAFT_LEN, smc-sd over PARTICLES x DRAFT_LENS."""
-    return [("ar", 1, 0), ("sd", 1, SD_DRAFT_LEN)] + [("smc-sd", n, k) for n in PARTICLES for k in DRAFT_LENS]
+def settings() -> dict[str, tuple[str, int, int]]:
+    """label -> (method, N, K): compiled ar, exact sd at K = SD_DRAFT_LEN, smc-sd over PARTICLES x DRAFT_LENS."""
+    grid = [("ar", 1, 0), ("sd", 1, SD_DRAFT_LEN)] + [("smc-sd", n, k) for n in PARTICLES for k in DRAFT_LENS]
+    return {setting_label(*setting): setting for setting in grid}
+
+
+def setting_label(method: str, particles: int, draft_len: int) -> str:
+    return {"ar": "ar", "sd": f"sd K={draft_len}", "smc-sd": f"smc-sd N={particles} K={draft_len}"}[method]
 
 
 def default_acceptance() -> tuple[float | None, str]:
@@ -297,8 +304,15 @@ def main(argv=None) -> dict:
     parser.add_argument("--new-tokens", type=int, default=256)
     parser.add_argument("--acceptance", type=float, default=None, help="sd's per-token acceptance a (default: from draft_quality.json)")
     parser.add_argument("--iters", type=int, default=10, help="timed repetitions of each cycle's forwards")
+    parser.add_argument("--settings", default=None, help="comma-separated labels to run (default: all; ar is always run)")
     parser.add_argument("--no-write", action="store_true", help="print JSON only (a CPU run never writes)")
     args = parser.parse_args(argv)
+    chosen = settings()
+    if args.settings is not None:
+        wanted = {"ar"} | {label.strip() for label in args.settings.split(",")}
+        if not wanted <= set(chosen):
+            parser.error(f"unknown settings {sorted(wanted - set(chosen))}; known: {list(chosen)}")
+        chosen = {label: setting for label, setting in chosen.items() if label in wanted}
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         parser.error("no CUDA device here; use --shapes tiny --device cpu for a smoke run")
     shapes_name = args.shapes or ("8b" if args.device.startswith("cuda") else "tiny")
@@ -321,13 +335,12 @@ def main(argv=None) -> dict:
     mean_positions = args.prompt_len + args.new_tokens / 2
 
     rows = []
-    for method, n, k in settings():
+    for label, (method, n, k) in chosen.items():
         engine = time_engine(method, target, draft, n, k, prompt, args.new_tokens)
         forward_ms = time_forwards(method, target, draft, n, k, prompt, args.device, args.iters)
         tokens = {"ar": 1.0, "sd": expected_sd_tokens(acceptance, k), "smc-sd": float(k + 1)}[method]
         cycle_bytes = read_bytes(target_model, n, mean_positions) + k * read_bytes(draft_model, n, mean_positions)
         floor_ms = 1000 * cycle_bytes / bandwidth
-        label = {"ar": "ar", "sd": f"sd K={k}", "smc-sd": f"smc-sd N={n} K={k}"}[method]
         rows.append({
             "label": label, "method": method, "particles": n, "draft_len": k, **engine,
             "forward_ms": forward_ms, "tokens_per_cycle": tokens,
@@ -341,7 +354,8 @@ def main(argv=None) -> dict:
     for r in rows:
         r["speedup_vs_ar"] = r["tokens_per_second"] / ar["tokens_per_second"]
         r["forward_speedup_vs_ar"] = r["forward_tokens_per_second"] / ar["forward_tokens_per_second"]
-    top = max((r for r in rows if r["method"] == "smc-sd"), key=lambda r: r["tokens_per_second"])
+    smc = [r for r in rows if r["method"] == "smc-sd"]
+    top = max(smc, key=lambda r: r["tokens_per_second"]) if smc else None
     data = {
         "benchmark": "gpu",
         "device": device_name(args.device),
@@ -361,7 +375,7 @@ def main(argv=None) -> dict:
         "floor": {"ms": ar["roofline_ms"], "bytes": ar["bytes_per_cycle"], "bandwidth_bytes_per_second": bandwidth},
         "environment": environment(),
         "rows": rows,
-        "best": {"smc-sd_vs_ar": top["speedup_vs_ar"], "label": top["label"]},
+        "best": {"smc-sd_vs_ar": top["speedup_vs_ar"], "label": top["label"]} if top else None,
         "wall_seconds": time.perf_counter() - started,
     }
     emit("gpu", data, write=args.device.startswith("cuda") and not args.no_write)

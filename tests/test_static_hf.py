@@ -2,7 +2,6 @@
 code: the backend laws, agreement with the copy cache, the compiled step against the eager one,
 and exact speculative decoding through it (enumerated 2-token completions)."""
 
-import time
 import types
 
 import pytest
@@ -80,7 +79,8 @@ def test_static_logits_equal_the_copy_cache_through_growth_select_and_truncate(m
         if op == "extend":
             deviations.append((a.extend(arg) - b.extend(arg)).abs().max())
         else:
-            getattr(a, op)(arg), getattr(b, op)(arg)
+            getattr(a, op)(arg)
+            getattr(b, op)(arg)
         a.check_invariants()
         assert (a.batch_size, a.length) == (b.batch_size, b.length)
     assert a.capacity > 8
@@ -90,7 +90,8 @@ def test_static_logits_equal_the_copy_cache_through_growth_select_and_truncate(m
     # dimensions x 4 bytes; the buffers held more
     assert memory["naive_peak_bytes"] == 2 * 12 * (2 * 2 * 2 * 8 * 4)
     assert memory["peak_bytes"] >= memory["naive_peak_bytes"]
-    a.close(), b.close()
+    a.close()
+    b.close()
     assert a.memory()["live_bytes"] == 0
     with pytest.raises(ValueError, match="closed"):
         a.extend(continuation[:, :1])
@@ -103,7 +104,6 @@ def test_compiled_step_gives_the_eager_steps_logits(model, continuation):
     eager, compiled = lm(model, kv_cache="static"), lm(model, kv_cache="static", compile=True)
     rows = {name: backend.open(PROMPT, 2)[0] for name, backend in (("eager", eager), ("compiled", compiled))}
     graphs_before = counters["stats"]["unique_graphs"]
-    started = time.perf_counter()
     for step, tokens in enumerate([continuation[:, :3], continuation[:, 3:], continuation[:, 1:4]]):
         logits = {name: r.extend(tokens) for name, r in rows.items()}
         deviation = (logits["eager"] - logits["compiled"]).abs().max().item()
@@ -111,7 +111,6 @@ def test_compiled_step_gives_the_eager_steps_logits(model, continuation):
         for r in rows.values():
             r.select(torch.tensor([1, 0]))
             r.truncate(r.length - 1)
-    assert time.perf_counter() - started < 120, "compiling one small shape took over two minutes"
     # one graph for the one shape: positions and the KV are read on the device, not baked in
     assert counters["stats"]["unique_graphs"] - graphs_before == 1
 
@@ -144,13 +143,16 @@ def sample(program, schedule: Schedule, runs: int) -> list[tuple[int, ...]]:
     return [tuple(program.run(PROMPT, schedule, seed=s).tokens) for s in range(runs)]
 
 
-def test_exact_speculative_decoding_through_the_static_cache_matches_p_t():
+@pytest.mark.parametrize("compile", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["eager", "compiled"])
+def test_exact_speculative_decoding_through_the_static_cache_matches_p_t(compile):
     target, draft = tiny_llama(vocab=12, seed=2), tiny_llama(vocab=12, seed=3, layers=1)
     exact = exact_two_token_distribution(target)
     # the draft alone is far from the target, so matching p_T is no accident
     assert total_variation(exact_two_token_distribution(draft), exact) > 0.4
-    n = 3000
-    program = speculative.program(lm(target, kv_cache="static"), lm(draft, kv_cache="static"), draft_len=2)
+    # tolerance 0.115 at n = 2000 (64 completions carry the mass)
+    n = 2000
+    static = {"kv_cache": "static", "compile": compile}
+    program = speculative.program(lm(target, **static), lm(draft, **static), draft_len=2)
     samples = sample(program, Schedule(1, max_tokens=2), n)
     assert total_variation(empirical(samples), exact) < tv_tolerance(exact, n)
 
