@@ -30,7 +30,7 @@ Before timing, correctness checks run on the device at tiny size in fp32: compil
 logits of the static step (within 1e-4) and the backend laws of `smc_sd.testing`.
 
 Usage: python benchmarks/gpu.py [--shapes 8b|tiny] [--device cuda|cpu] [--acceptance A] [--settings "sd K=4,smc-sd N=8 K=4"]
-(`--shapes tiny --device cpu` is a smoke run of the whole script, about a minute here; only a
+(`--shapes tiny --device cpu` is a smoke run of the whole script, 28-127 s on this project's CPU; only a
 CUDA run writes benchmarks/results/gpu.json.)
 """
 
