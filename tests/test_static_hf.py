@@ -1,6 +1,7 @@
 """The static (fixed-shape, compilable) KV path of the hf backend, on tiny random Llamas built in
 code: the backend laws, agreement with the copy cache, the compiled step against the eager one,
-and exact speculative decoding through it (enumerated 2-token completions)."""
+exact speculative decoding through it (enumerated 2-token completions), the engine's runs; and
+the laws once more on the default model."""
 
 import types
 
@@ -178,3 +179,13 @@ def test_engine_runs_unchanged_on_the_static_cache(model, method):
     (static_particles, resamples), (copy_particles, _) = run("static"), run("copy")
     assert static_particles == copy_particles
     assert method == "ar" or resamples > 0
+
+
+@pytest.mark.model
+def test_backend_laws_hold_on_the_default_model(default_lm):
+    """The laws on SmolLM2-135M (30 layers, 3 KV heads), over natural text."""
+    static = HFLanguageModel(default_lm.model, default_lm.tokenizer, kv_cache="static", static_length=64)
+    words = default_lm.tokenizer.encode("The lighthouse keeper climbed the stairs every evening and lit the lamp.", add_special_tokens=False)
+    continuation = torch.tensor([words[6:12], words[7:13]])
+    testing.assert_select_consistent(static, words[:6], continuation, torch.tensor([1, 1, 0]), ATOL)
+    testing.assert_truncate_consistent(static, words[:6], continuation, 3, ATOL)
