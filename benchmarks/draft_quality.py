@@ -181,7 +181,9 @@ def main(argv=None) -> dict:
               f"{' '.join(f'{a:.3f}' for a in acceptance)}{'' if features else ' (reads no features: one measurement)'}, "
               f"cost ratio {data['cost_ratio']:.3f} ({data['draft_ms_per_drafted_token']:.1f} / "
               f"{data['target_ms_per_token']:.1f} ms per token)")
-    emit("draft_quality", data, write=not args.no_write)
+    # the shipped feature draft's figures go to their own file; draft_quality.json holds the
+    # distilled draft's, which benchmarks/gpu.py reads
+    emit("draft_quality_feature" if args.draft == "feature" else "draft_quality", data, write=not args.no_write)
     return data
 
 
