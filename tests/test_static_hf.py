@@ -122,6 +122,14 @@ def test_compile_needs_the_static_cache(model):
     with pytest.raises(ValueError, match="static_length 5 leaves no position"):
         lm(model, kv_cache="static", static_length=5).open(PROMPT, 1)
 
+    class Rescaled(HFLanguageModel):
+        def _forward(self, *args, **kwargs):
+            return 2 * super()._forward(*args, **kwargs)
+
+    # the static step would bypass the subclass's logits
+    with pytest.raises(ValueError, match="Rescaled changes its logits"):
+        Rescaled(model, tokenizer(64), kv_cache="static").open(PROMPT, 1)
+
 
 def exact_two_token_distribution(model) -> dict[tuple[int, ...], float]:
     """p_T over completions of at most 2 tokens, enumerated with the copy cache (another code
