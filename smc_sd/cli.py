@@ -30,6 +30,8 @@ from smc_sd.programs import MODULES, get
 
 
 VLLM_DTYPES = ["float32", "bfloat16", "float16", "auto"]
+#: the --draft names of drafts of the default model shipped with the package
+PACKAGE_DRAFTS = ("self", "distilled", "feature")
 
 
 class ArgumentParser(argparse.ArgumentParser):
@@ -55,7 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--resampling", default="systematic", help="systematic, multinomial, stratified or residual")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--target", default=None, help="local transformers model directory (default: SmolLM2-135M-Instruct)")
-    g.add_argument("--draft", default=None, help="local model directory sharing the target's tokenizer, a draft saved by smc_sd.models.distill, 'self' (the default model without decoder layer 5, the default) or 'distilled' (the shipped distilled draft, --backend hf only)")
+    g.add_argument("--draft", default=None, help="local model directory sharing the target's tokenizer, a draft saved by smc_sd.models.distill or smc_sd.models.feature_distill, 'self' (the default model without decoder layer 5, the default), 'distilled' (the shipped distilled draft) or 'feature' (the shipped feature-reading draft); distilled and feature drafts run on --backend hf only")
     g.add_argument("--device", default="cpu", help="cpu or cuda")
     g.add_argument("--backend", choices=["hf", "vllm"], default="hf", help="transformers (hf) or a vLLM engine per model")
     g.add_argument("--tensor-parallel-size", type=int, default=None, help="vllm: GPUs each model is split over (default 1)")
@@ -127,9 +129,10 @@ def check_model_dir(flag: str, path: str) -> None:
 
 def check_model_choice(args) -> None:
     """Refuse model choices that cannot work, before loading anything: paths that hold no model,
-    a --draft for ar, `--draft self|distilled` (drafts of the default model) or no draft with
-    another --target, and a distilled restricted-vocabulary draft on vLLM."""
+    a --draft for ar, a package draft (a draft of the default model) or no draft with another
+    --target, and on vLLM a distilled restricted-vocabulary or a feature-reading draft."""
     from smc_sd.models.draft import is_draft_dir
+    from smc_sd.models.feature_draft import is_feature_draft_dir
 
     if args.target is not None:
         check_model_dir("--target", args.target)
@@ -137,14 +140,16 @@ def check_model_choice(args) -> None:
         if args.draft is not None:
             raise ValueError(f"--method {args.method} drafts nothing; drop --draft or use sd or smc-sd")
         return
-    if args.draft not in (None, "self", "distilled"):
+    if args.draft not in (None, *PACKAGE_DRAFTS):
         check_model_dir("--draft", args.draft)
-    if args.draft in ("self", "distilled") and args.target is not None:
+    if args.draft in PACKAGE_DRAFTS and args.target is not None:
         raise ValueError(f"--draft {args.draft} is a draft of the default model; with --target give a --draft model directory")
     if args.draft is None and args.target is not None:
         raise ValueError(f"--method {args.method} with --target needs a --draft model directory")
-    if args.backend == "vllm" and (args.draft == "distilled" or (args.draft not in (None, "self") and is_draft_dir(args.draft))):
-        raise ValueError("a distilled restricted-vocabulary draft runs on --backend hf only")
+    hf_only = args.draft in ("distilled", "feature") or (
+        args.draft not in (None, *PACKAGE_DRAFTS) and (is_draft_dir(args.draft) or is_feature_draft_dir(args.draft)))
+    if args.backend == "vllm" and hf_only:
+        raise ValueError(f"--draft {args.draft}: a distilled restricted-vocabulary or feature-reading draft runs on --backend hf only")
 
 
 def check_vllm_options(args) -> None:
@@ -181,18 +186,18 @@ def load_models(args):
     if model_count(args) == 1:
         return target, None
     with loading("--draft", args.draft):
-        return target, HFLanguageModel.named_draft(args.draft, args.target, args.device)
+        return target, HFLanguageModel.named_draft(args.draft, args.target, args.device, target=target)
 
 
 @contextlib.contextmanager
 def loading(flag: str, path: str | None):
     """Turn a model directory's load failure (transformers raises OSError or ValueError, often in
     several lines) into one ValueError line naming the flag and the directory. The package's own
-    models (no path, `self`, `distilled`) pass their errors through unchanged."""
+    models (no path, PACKAGE_DRAFTS) pass their errors through unchanged."""
     try:
         yield
     except (OSError, ValueError) as error:
-        if path in (None, "self", "distilled"):
+        if path in (None, *PACKAGE_DRAFTS):
             raise
         raise ValueError(f"{flag} {path}: cannot load a model: {one_line(error)}") from error
 

@@ -81,6 +81,7 @@ BEFORE_LOADING = [
     (["--target", "{tiny}", "--draft", "{missing}"], "--draft {missing}: no such directory"),
     (["--target", "{tiny}"], "with --target needs a --draft"),
     (["--target", "{tiny}", "--draft", "self"], "--draft self is a draft of the default model"),
+    (["--target", "{tiny}", "--draft", "feature"], "--draft feature is a draft of the default model"),
     (["--method", "ar", "--draft", "self"], "--method ar drafts nothing"),
     (["--method", "ar", "--draft-len", "3"], "drop --draft-len"),
     (["--method", "ar", "--draft-temperature", "0.5"], "drop --draft-temperature"),
@@ -121,6 +122,7 @@ BEFORE_LOADING = [
     (["--backend", "vllm", "--gpu-memory-utilization", "1.5"], "--gpu-memory-utilization must lie in (0, 1]"),
     (["--backend", "vllm", "--dtype", "int3"], "argument --dtype: invalid choice: 'int3'"),
     (["--backend", "vllm", "--draft", "distilled"], "runs on --backend hf only"),
+    (["--backend", "vllm", "--draft", "feature"], "runs on --backend hf only"),
     (["--backend", "fast"], "argument --backend: invalid choice"),
 ]
 
