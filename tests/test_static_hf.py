@@ -3,6 +3,9 @@ code: the backend laws, agreement with the copy cache, the compiled step against
 exact speculative decoding through it (enumerated 2-token completions), the engine's runs; and
 the laws once more on the default model."""
 
+import pathlib
+import subprocess
+import sys
 import types
 
 import pytest
@@ -197,3 +200,32 @@ def test_backend_laws_hold_on_the_default_model(default_lm):
     continuation = torch.tensor([words[6:12], words[7:13]])
     testing.assert_select_consistent(static, words[:6], continuation, torch.tensor([1, 1, 0]), ATOL)
     testing.assert_truncate_consistent(static, words[:6], continuation, 3, ATOL)
+
+
+BLOCK_OPTIONAL_PACKAGES = """
+import importlib.abc, sys
+
+class Absent(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name.split(".")[0] in ("vllm", "genlm", "llguidance"):
+            raise ImportError(f"{name} is not installed on this machine")
+
+sys.meta_path.insert(0, Absent())
+"""
+
+
+def test_unconstrained_engine_runs_without_vllm_genlm_and_llguidance():
+    """The GPU machine has torch and transformers only: ar, sd and smc-sd on the static cache must
+    not import vllm, genlm-control or llguidance (checked in a fresh interpreter that cannot)."""
+    script = BLOCK_OPTIONAL_PACKAGES + """
+from tests.test_static_hf import PROMPT, lm, tiny_llama
+from smc_sd import Schedule
+from smc_sd.programs import autoregressive, smc_speculative, speculative
+target, draft = lm(tiny_llama(), kv_cache="static"), lm(tiny_llama(seed=5, layers=1), kv_cache="static")
+for program in (autoregressive.program(target), speculative.program(target, draft, draft_len=2),
+                smc_speculative.program(target, draft, draft_len=2)):
+    program.run(PROMPT, Schedule(2, max_tokens=6), seed=0)
+"""
+    root = pathlib.Path(__file__).resolve().parent.parent
+    done = subprocess.run([sys.executable, "-c", script], cwd=root, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
