@@ -177,8 +177,8 @@ class StaticRuntime:
         compile: run `static_forward` through `torch.compile` (CUDA: mode "reduce-overhead", one
             CUDA graph per (B, L, S); CPU: mode "default", no graphs); the prompt stays eager.
             Shapes are automatically dynamic: the first (B, L) compiles a static graph, the first
-            other L (or B) recompiles once with that size symbolic, so a model compiles about
-            three times in all, not once per shape.
+            other L (or B) recompiles once with that size symbolic, so the step compiles a few
+            times in all, not once per shape.
     """
 
     def __init__(self, model, cache_kwarg: str, compile: bool = False):
