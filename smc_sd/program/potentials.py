@@ -218,6 +218,9 @@ class CompletionCheck(BlockPotential):
 
 def completion_checks(constraints, lm) -> tuple:
     """The `CompletionCheck`s of a program's constraints that llguidance only over-approximates."""
+    if not constraints:
+        # unconstrained programs run without genlm-control installed (the GPU machine has none)
+        return ()
     from genlm.control.potential import Potential
 
     from smc_sd.program.genlm_lowering import factors, lower
