@@ -6,9 +6,12 @@ token budget and seeds:
 - mask latency: the wall time of each mask call divided by its live rows (seconds per
   particle-position, the draft's K masks and the bonus mask of every cycle), p50 and p99, over a
   JSON-schema run and a Lark (CFG) run;
+- llguidance's own share: the same masks recomputed along each returned answer, one
+  `fill_next_token_bitmask` per position (p50, p99), to separate llguidance from our overhead;
 - speed: positions per second, every particle slot's advance (`Result.positions`) over wall
-  seconds, so runs that stop at different lengths compare per unit of work; and generated tokens
-  per second (the mean particle length over wall seconds), the measure genlm-control's SMC is
+  seconds; the unconstrained run gets the constrained run's positions as its budget (same N, K,
+  prompt and seed), so both do the same work, prompt pass included; and generated tokens per
+  second (the mean particle length over wall seconds), the measure genlm-control's SMC is
   compared on;
 - validity: the returned text is complete (ended by EOS or complete at the budget) and validates
   (jsonschema with format checks; the CFG by genlm-control's Earley parser, independent of
@@ -90,6 +93,7 @@ def run_smc_sd(program, prompt, schedule, seed) -> tuple[dict, list[float]]:
         "text": result.text,
         "complete": result.complete,
         "seconds": result.seconds,
+        "positions": result.positions,
         "positions_per_second": result.positions / result.seconds,
         "tokens_per_second": mean_length / result.seconds,
         "mask_seconds": result.mask_seconds,
@@ -111,6 +115,31 @@ def run_genlm_awrs(genlm_llm, prompt, particles, max_tokens, seed) -> dict:
     text = max(posterior, key=posterior.get) if posterior else ""
     lengths = [len([t for t in c if not isinstance(t, type(genlm_llm.eos))]) for c in sequences.contexts]
     return {"text": text, "complete": bool(posterior), "seconds": seconds, "tokens_per_second": sum(lengths) / len(lengths) / seconds}
+
+
+def llguidance_latencies(grammar: str, lm, tokens: list[int]) -> list[float]:
+    """Seconds of one llguidance mask at each position of `tokens` (EOS excluded)."""
+    import llguidance
+    import llguidance.torch
+    import torch
+
+    from smc_sd.program.llguidance_masks import lm_tokenizer
+
+    tokenizer = lm_tokenizer(lm)[0]
+    matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
+    bitmask = llguidance.torch.allocate_token_bitmask(1, tokenizer.vocab_size)
+    out = []
+    for token in [t for t in tokens if t != lm.vocabulary.eos_token_id] + [None]:
+        started = time.perf_counter()
+        llguidance.torch.fill_next_token_bitmask(matcher, bitmask)
+        out.append(time.perf_counter() - started)
+        if token is not None:
+            matcher.consume_token(token)
+    return out
+
+
+def latency_us(values: list[float]) -> dict:
+    return {"p50": 1e6 * statistics.median(values), "p99": 1e6 * percentile(values, 0.99), "max": 1e6 * max(values), "calls": len(values)}
 
 
 def mean(runs: list[dict], key: str) -> float:
@@ -142,18 +171,23 @@ def main(argv=None) -> dict:
         prompt = chat_prompt(target.tokenizer, PROMPTS[name])
         constrained = smc_speculative.program(target, draft, draft_len=args.draft_len, constraints=(constraint,))
         free = smc_speculative.program(target, draft, draft_len=args.draft_len)
-        runs, latencies, free_runs = [], [], []
+        runs, latencies, own, free_runs = [], [], [], []
         for seed in range(args.seeds):
             figures, row_seconds = run_smc_sd(constrained, prompt, schedule, seed)
             figures["valid"] = figures["complete"] and checks[name](figures["text"])
             runs.append(figures)
             latencies += row_seconds
-            free_runs.append(run_smc_sd(free, prompt, schedule, seed)[0])
+            own += llguidance_latencies(constraint.grammar, target, target.tokenizer.encode(figures["text"], add_special_tokens=False))
+            same_work = Schedule(args.particles, max_tokens=figures["positions"])
+            free_runs.append(run_smc_sd(free, prompt, same_work, seed)[0])
         out[name] = {
-            "mask_latency_us": {"p50": 1e6 * statistics.median(latencies), "p99": 1e6 * percentile(latencies, 0.99), "max": 1e6 * max(latencies), "calls": len(latencies)},
+            "mask_latency_us": latency_us(latencies),
+            "llguidance_mask_latency_us": latency_us(own),
             "validity": mean(runs, "valid"),
             "constrained_positions_per_second": mean(runs, "positions_per_second"),
             "unconstrained_positions_per_second": mean(free_runs, "positions_per_second"),
+            "positions": [r["positions"] for r in runs],
+            "unconstrained_positions": [r["positions"] for r in free_runs],
             "speed_ratio": mean(runs, "positions_per_second") / mean(free_runs, "positions_per_second"),
             "constrained_tokens_per_second": mean(runs, "tokens_per_second"),
             "mask_share_of_wall": sum(r["mask_seconds"] for r in runs) / sum(r["seconds"] for r in runs),

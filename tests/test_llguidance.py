@@ -152,10 +152,11 @@ def test_genlm_control_smc_runs_our_potentials():
 
     sampler = SMC(direct_token_sampler(Regex("[0-9]{1,3}")), critic=JsonSchema({"type": "integer", "multipleOf": 2}))
     sequences = asyncio.run(sampler(n_particles=32, ess_threshold=0.5, max_tokens=5))
-    assert sequences.posterior
-    for context in sequences.posterior:
-        value = json.loads(bytes(context[:-1]))
-        assert value % 2 == 0 and str(value) == bytes(context[:-1]).decode()
+    weighted = [c for c, logw in zip(sequences.contexts, sequences.log_weights) if logw > float("-inf")]
+    assert weighted
+    for context in weighted:
+        text = bytes(t for t in context if isinstance(t, int))
+        assert int(text) % 2 == 0 and str(int(text)).encode() == text
 
 
 BUDGET = 3
