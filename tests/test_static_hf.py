@@ -222,9 +222,9 @@ from tests.test_static_hf import PROMPT, lm, tiny_llama
 from smc_sd import Schedule
 from smc_sd.programs import autoregressive, smc_speculative, speculative
 target, draft = lm(tiny_llama(), kv_cache="static"), lm(tiny_llama(seed=5, layers=1), kv_cache="static")
-for program in (autoregressive.program(target), speculative.program(target, draft, draft_len=2),
-                smc_speculative.program(target, draft, draft_len=2)):
-    program.run(PROMPT, Schedule(2, max_tokens=6), seed=0)
+for program, particles in ((autoregressive.program(target), 2), (speculative.program(target, draft, draft_len=2), 1),
+                           (smc_speculative.program(target, draft, draft_len=2), 2)):
+    program.run(PROMPT, Schedule(particles, max_tokens=6), seed=0)
 """
     root = pathlib.Path(__file__).resolve().parent.parent
     done = subprocess.run([sys.executable, "-c", script], cwd=root, capture_output=True, text=True, timeout=300)
