@@ -6,6 +6,8 @@ model (N = 4, K = 4, 128 tokens, seed 0 by default). Per item:
 - accepted: the constructor took it (else the one-line error it raised);
 - exact: llguidance enforces it exactly (else what it over-approximates, checked at completion);
 - complete: the returned text ended with EOS or is complete at the budget (`Result.complete`);
+  all_died: every particle reached weight zero (`AllParticlesDiedError`), which an
+  over-approximated schema's exact check can cause;
 - valid: a JSON answer validates under jsonschema with format checks; a grammar's answer parses
   under genlm-control's Earley parser (independent of llguidance);
 - seconds: wall time of the run, model loading excluded.
@@ -64,6 +66,7 @@ def main(argv=None) -> dict:
     args = parser.parse_args(argv)
 
     from smc_sd.backends.hf import chat_prompt
+    from smc_sd.engine.result import AllParticlesDiedError
     from smc_sd.program import Schedule
     from smc_sd.programs import smc_speculative
 
@@ -87,14 +90,19 @@ def main(argv=None) -> dict:
         prompt = chat_prompt(target.tokenizer, f"Reply with {fmt}. {prompts[name]}")
         program = smc_speculative.program(target, draft, draft_len=args.draft_len, constraints=(constraint,))
         started = time.perf_counter()
-        result = program.run(prompt, schedule, seed=args.seed)
+        try:
+            result, died = program.run(prompt, schedule, seed=args.seed), False
+        except AllParticlesDiedError as error:
+            # an over-approximated schema's check gave every complete particle weight zero
+            result, died = error.partial, True
         seconds = time.perf_counter() - started
         rows.append(row | {
             "accepted": True,
             "exact": not constraint.approximations,
             "approximations": list(constraint.approximations),
-            "complete": result.complete,
-            "valid": result.complete and is_valid(path, result.text),
+            "all_died": died,
+            "complete": result.complete and not died,
+            "valid": result.complete and not died and is_valid(path, result.text),
             "seconds": seconds,
             "new_tokens": len(result.tokens),
             "mask_seconds": result.mask_seconds,
@@ -110,6 +118,7 @@ def main(argv=None) -> dict:
             "items": len(rows),
             "accepted": len(ran),
             "complete": sum(r["complete"] for r in ran),
+            "all_died": [r["item"] for r in ran if r["all_died"]],
             "valid": sum(r["valid"] for r in ran),
             # the goal: every complete answer validates
             "complete_but_invalid": [r["item"] for r in ran if r["complete"] and not r["valid"]],
