@@ -306,3 +306,18 @@ def test_training_raises_acceptance_at_every_block_position():
     after = held_back_acceptance(draft, data[-16:], 2, 16)
     assert after[0] > before[0] + 0.07
     assert after[1] > before[1] + 0.07
+
+
+def test_the_shipped_feature_draft_loads_over_the_default_target():
+    with pytest.raises(ValueError, match="pass it"):
+        HFLanguageModel.named_draft("feature")
+    target = HFLanguageModel.default()
+    draft = HFLanguageModel.named_draft("feature", target=target)
+    assert draft.model.feature_layers == (target.model.config.num_hidden_layers - 1,)
+    prompt = [1, 2, 3, 4]
+    target_rows, _ = target.open(prompt, 2)
+    rows, first = draft.open(prompt, 2)
+    # [2, 2, V]: the second column past the target's features, on the draft's own output
+    logits = rows.extend(torch.tensor([[5, 6], [7, 8]]))
+    testing.assert_logits_valid(torch.cat([first[None, None].expand(2, 1, -1), logits], 1), "the shipped feature draft")
+    assert target_rows.features.shape == (2, len(prompt), target.model.config.hidden_size)
