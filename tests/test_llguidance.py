@@ -248,3 +248,19 @@ def test_products_split_into_factors_each_lowered():
     prefixes = all_prefixes(lm, 2)
     expected = brute_force_masks(lm, prefixes, lambda s: viable(s) and "))" not in s, lambda s: complete(s) and "))" not in s)
     assert torch.equal(product.mask(prefixes), expected)
+
+
+def test_the_coverage_benchmark_items_build_except_the_unenforceable_one():
+    import pathlib
+
+    folder = pathlib.Path(__file__).resolve().parent.parent / "benchmarks" / "schemas"
+    prompts = json.loads((folder / "prompts.json").read_text())
+    files = [p for p in folder.iterdir() if p.suffix in (".json", ".lark") and p.name != "prompts.json"]
+    assert len(files) >= 20 and {p.stem for p in files} == set(prompts)
+    refused = []
+    for path in files:
+        try:
+            JsonSchema(path) if path.suffix == ".json" else Grammar(path.read_text())
+        except ValueError as error:
+            refused.append((path.stem, str(error)))
+    assert refused == [("url_format", "JSON schema format 'url' can be enforced neither by llguidance nor by jsonschema")]
