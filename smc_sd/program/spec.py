@@ -20,9 +20,11 @@ class Target:
         temperature: T > 0; p_T = softmax(logits / T).
         alpha: power > 0 (1 = plain sampling at temperature T).
         constraints: boolean potentials phi_c in {0, 1}: `TokenConstraint`s, or genlm-control
-            `Potential`s (BoolFSA, BoolCFG, JsonSchema, user subclasses) over bytes or over the
-            LM's tokens, coerced to the LM's tokens by the compiler. They mask the draft and the
-            bonus token; their masked normalisers enter the weights.
+            `Potential`s over bytes or over the LM's tokens (`Regex`, `Grammar`, `JsonSchema`
+            from `smc_sd.program.grammars`, genlm-control's BoolFSA, BoolCFG, JsonSchema, user
+            subclasses), lowered to token masks by the compiler (llguidance where it can). They
+            mask the draft and the bonus token; their masked normalisers enter the weights, and a
+            string the token budget leaves incomplete gets weight zero.
         potentials: positive potentials phi_c scored at block end on whole prefixes
             (`smc_sd.program.scores.BlockPotential`s, or genlm-control `Potential`s over bytes):
             log w += log phi(new prefix) - log phi(old prefix), complete scores at EOS.
