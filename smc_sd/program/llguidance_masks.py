@@ -12,8 +12,9 @@ Matcher states live in a pool keyed by prefix tuple and shared by genealogy: the
 prefix is a `deep_copy` of the state of its longest pooled prefix, advanced by `consume_tokens`
 over the tokens in between (usually one). Resampling and forking therefore need nothing from the
 engine: copies of a particle ask for the same prefix, and a rolled-back prefix (exact SD's
-rejection) finds its state still pooled. A state not asked for in `WINDOW` calls is dropped; a
-prefix whose ancestors were all dropped is rebuilt from the empty prefix, which costs time only.
+rejection) finds its state still pooled. Every `WINDOW` calls the states not asked for in the
+last `WINDOW` calls are dropped; a prefix whose ancestors were all dropped is rebuilt from the
+empty prefix, which costs time only.
 
 The masks of a batch come from one `fill_next_token_bitmask_par` call (one row per distinct
 prefix) where the machine has `PARALLEL_MIN_CPUS` cores or more; below that, one
@@ -40,6 +41,8 @@ from smc_sd.program.constraints import TokenConstraint
 WINDOW = 32
 #: cores from which a batch's masks go to llguidance's thread pool in one call
 PARALLEL_MIN_CPUS = 4
+# read once: os.cpu_count() costs tens of microseconds per call
+_PARALLEL = (os.cpu_count() or 1) >= PARALLEL_MIN_CPUS
 
 # per LM: (its llguidance tokenizer, [V] bool tokens a mask may ever allow)
 _TOKENIZERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -135,7 +138,12 @@ class GrammarConstraint(TokenConstraint):
 
     def __init__(self, grammar: str, lm, description: str = "grammar"):
         self.vocab_size = lm.vocabulary.size
-        self._tokenizer, self._allowed = lm_tokenizer(lm)
+        self._tokenizer, allowed = lm_tokenizer(lm)
+        # [W] int32: the allowed-token row as bit words over the tokenizer's ids
+        width = llguidance.torch.get_bitmask_shape(1, self._tokenizer.vocab_size)[1]
+        bits = np.zeros(32 * width, dtype=bool)
+        bits[: min(self.vocab_size, 32 * width)] = allowed.numpy()[: 32 * width]
+        self._allowed_words = torch.from_numpy(np.packbits(bits, bitorder="little").view("<i4").astype(np.int32))
         root = llguidance.LLMatcher(self._tokenizer, grammar, log_level=0)
         if root.is_error():
             raise ValueError(f"invalid {description}: {root.get_error().splitlines()[0]}")
@@ -156,6 +164,9 @@ class GrammarConstraint(TokenConstraint):
         return entry[0]
 
     def _prune(self) -> None:
+        # every WINDOW calls, so a state lives between WINDOW and 2 WINDOW calls unasked
+        if self.calls % WINDOW:
+            return
         stale = [p for p, (_, last) in self._pool.items() if p and last < self.calls - WINDOW]
         for prefix in stale:
             del self._pool[prefix]
@@ -169,12 +180,14 @@ class GrammarConstraint(TokenConstraint):
         # [U, W] int32, all zero (nothing allowed) for dead prefixes
         bitmask = torch.zeros(llguidance.torch.get_bitmask_shape(len(states), self._tokenizer.vocab_size), dtype=torch.int32)
         live = [(state, i) for i, state in enumerate(states) if not state.is_error()]
-        if len(live) > 1 and (os.cpu_count() or 1) >= PARALLEL_MIN_CPUS:
+        if len(live) > 1 and _PARALLEL:
             llguidance.torch.fill_next_token_bitmask_par(executor(), live, bitmask)
         else:
             for state, i in live:
                 llguidance.torch.fill_next_token_bitmask(state, bitmask, i)
         self._prune()
+        # special tokens and ids past the model's rows are never allowed: cleared in the bit words
+        bitmask &= self._allowed_words
         # [U, V] bool, then [B, V] bool in the order asked
-        masks = unpack_bitmask(bitmask, self.vocab_size) & self._allowed
+        masks = unpack_bitmask(bitmask, self.vocab_size)
         return masks if len(rows) == len(keys) else masks[[rows[key] for key in keys]]
