@@ -7,6 +7,9 @@ grid) each prompt is decoded once with a fixed seed. Reported per configuration:
 - speedup_vs_ar: tokens_per_second / that of "ar" measured in the same run;
 - mean_target_logprob (and its standard error): fidelity, the mean over generated tokens of
   log p_T(x_t | x_<t) at T = 1; logprob_ratio_vs_ar: that mean / ar's (1.03 = 3% lower);
+- mean_ess_per_cycle: the mean ESS (out of N) after each cycle's weight update;
+- the row "hf-generate" is transformers' own `generate` (sampling at T = 1, no top-k/top-p), a
+  second anchor beside the library's ar;
 - kv_peak_bytes: the KV cache's peak (target and draft); with --kv-compare every smc-sd
   configuration also runs with per-particle KV copies (kv_cache "copy") and its shared-cache
   row gets paged_over_copy = its tokens/s / the copy twin's;
@@ -67,8 +70,12 @@ class Config:
         return " ".join(parts)
 
 
+#: the label of transformers' `generate` (sampling), the second anchor row
+HF_GENERATE = "hf-generate"
+
 CONFIGS = [
     Config("ar"),
+    Config(HF_GENERATE),
     Config("sd", draft_len=1),
     Config("sd", draft_len=2),
     Config("sd", draft_len=3),
@@ -84,7 +91,7 @@ CONFIGS = [
 
 def grid(particles=(1, 2, 4, 8, 16), draft_lens=(1, 2, 4, 8)) -> list[Config]:
     """ar, sd at every K and smc-sd at every (N, K)."""
-    configs = [Config("ar")] + [Config("sd", draft_len=k) for k in draft_lens]
+    configs = [Config("ar"), Config(HF_GENERATE)] + [Config("sd", draft_len=k) for k in draft_lens]
     return configs + [Config("smc-sd", particles=n, draft_len=k) for n in particles for k in draft_lens]
 
 
@@ -102,9 +109,34 @@ def target_logprobs(target, prompt: list[int], tokens: list[int]) -> list[float]
     return logp.gather(-1, torch.tensor(tokens)[:, None])[:, 0].tolist()
 
 
+def hf_generate(target, prompt: list[int], max_tokens: int, seed: int) -> dict:
+    """The second anchor: transformers' own `generate`, sampling at T = 1 with no top-k or top-p
+    (the same distribution as ar), with its own dynamic KV cache."""
+    import torch
+
+    eos = target.vocabulary.eos_token_id
+    torch.manual_seed(seed)
+    started = time.perf_counter()
+    with torch.inference_mode():
+        out = target.model.generate(
+            torch.tensor([prompt]), do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
+            max_new_tokens=max_tokens, pad_token_id=eos, eos_token_id=eos,
+        )
+    seconds = time.perf_counter() - started
+    tokens = out[0, len(prompt):].tolist()
+    tokens = tokens[: tokens.index(eos) + 1] if eos in tokens else tokens
+    return {
+        "tokens": len(tokens), "seconds": seconds, "target_passes": len(tokens), "draft_passes": 0,
+        "resamples": 0, "kv_peak_bytes": 0, "ess": [], "logprobs": target_logprobs(target, prompt, tokens),
+    }
+
+
 def decode(config: Config, program, target, prompt: list[int], max_tokens: int, seed: int) -> dict:
     """Decode one prompt once with `program` (built for `config`); its counts and target log-probs."""
     from smc_sd import Schedule
+
+    if config.method == HF_GENERATE:
+        return hf_generate(target, prompt, max_tokens, seed)
 
     for lm in (target, program.proposal.lm if program.proposal is not None else None):
         if hasattr(lm, "kv_cache"):
@@ -118,6 +150,7 @@ def decode(config: Config, program, target, prompt: list[int], max_tokens: int, 
         "draft_passes": result.draft_passes,
         "resamples": result.resamples,
         "kv_peak_bytes": result.kv["peak_bytes"] if result.kv else 0,
+        "ess": [c.ess for c in result.cycles],
         "logprobs": target_logprobs(target, prompt, result.tokens),
     }
 
@@ -134,7 +167,7 @@ def measure(configs: list[Config], target, draft, prompts: list[list[int]], max_
     programs = []
     for config in configs:
         options = {"draft_len": config.draft_len, **config.options} if config.draft_len else dict(config.options)
-        programs.append(build_program(config.method, target, draft, **options))
+        programs.append(None if config.method == HF_GENERATE else build_program(config.method, target, draft, **options))
     # wall seconds of the untimed first decode of each compiled configuration, which compiles its
     # step shapes (those a configuration shares with an earlier one are compiled already)
     warmup = {}
@@ -162,6 +195,8 @@ def measure(configs: list[Config], target, draft, prompts: list[list[int]], max_
             "draft_passes_per_token": sum(r["draft_passes"] for r in done) / tokens,
             "resamples": sum(r["resamples"] for r in done),
             "kv_peak_bytes": max(r["kv_peak_bytes"] for r in done),
+            # the mean over cycles of the ESS (out of N) after each cycle's weight update
+            "mean_ess_per_cycle": sum(e for r in done for e in r["ess"]) / max(1, sum(len(r["ess"]) for r in done)),
             "mean_target_logprob": mean_logprob,
             "mean_target_logprob_stderr": logprob_stderr,
             **({"warmup_seconds": warmup[config.label]} if config.label in warmup else {}),
@@ -254,10 +289,12 @@ def main(argv=None) -> dict:
         if unknown:
             parser.error(f"unknown configuration labels {unknown}; known: {[c.label for c in configs]}")
         configs = [c for c in configs if c.label in wanted]
+    if args.backend == "vllm":
+        configs = [c for c in configs if c.method != HF_GENERATE]
     if args.kv_compare and args.backend == "hf":
         configs = configs + [replace(c, kv_cache="copy") for c in configs if c.method == "smc-sd"]
     if args.static_compare and args.backend == "hf":
-        plain = [c for c in configs if c.kv_cache == "paged"]
+        plain = [c for c in configs if c.kv_cache == "paged" and c.method != HF_GENERATE]
         configs = configs + [replace(c, kv_cache="static") for c in plain] + [replace(c, kv_cache="static", compile=True) for c in plain]
         # S positions per row: the longest prompt, the budget and one block of slack
         for lm in (target, draft):
