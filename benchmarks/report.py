@@ -125,21 +125,21 @@ def accuracy_section(data: dict, name: str = "accuracy") -> list[str]:
 
 
 def gpu_section(data: dict | None) -> list[str]:
-    lines = ["### GPU (per-cycle cost model)", ""]
+    lines = ["### GPU (the engine on the compiled static path)", ""]
     if data is None:
         return lines + [
-            "Not run yet: no CUDA GPU was available when this section was generated. "
-            "`python benchmarks/gpu.py` on an H200-class GPU (under 5 minutes) writes "
-            "`benchmarks/results/gpu.json`; rerun this report to add its table here.", "",
+            "Not measured yet: no CUDA GPU was available to this project's sessions so far. "
+            "`python benchmarks/gpu.py` on a CUDA GPU runs the engine end to end on 8B/1B-shaped random "
+            "bf16 models and writes `benchmarks/results/gpu.json`; rerun this report to add its table "
+            "here ([docs/gpu.md](docs/gpu.md)).", "",
         ]
     rows = [[r["label"], f"{r['cycle_ms']:.2f}", f"{r['tokens_per_cycle']:.2f}", f"{r['tokens_per_second']:.1f}",
-             f"{r['speedup_vs_ar']:.2f}"] for r in data["rows"]]
-    f = data["floor"]
-    rows.append(["memory floor of one target step", f"{f['ms']:.2f}", "1.00", f"{1000 / f['ms']:.1f}", ""])
+             f"{r['speedup_vs_ar']:.2f}", f"{r['roofline_fraction']:.2f}"] for r in data["rows"]]
     return lines + [
-        f"{data['target']} target, {data['draft']} draft, random {data['dtype']} weights, batch 1, "
-        f"{data['prompt_len']}-token prompt, HF eager. " + measured(data), "",
-        *table(["method", "cycle ms", "tokens / cycle", "tokens/s", "x ar"], rows), "",
+        f"{data['device']}: {data['target']} target, {data['draft']} draft, random {data['dtype']} weights, batch 1, "
+        f"{data['prompt_len']}-token prompt, {data['new_tokens']} new tokens, compiled static KV path; sd's tokens "
+        f"per pass at acceptance {data['acceptance']:.3f} ({data['acceptance_source']}). " + measured(data), "",
+        *table(["method", "cycle ms", "tokens / cycle", "tokens/s", "x ar", "memory roofline fraction"], rows), "",
     ]
 
 
