@@ -299,7 +299,7 @@ def run_smc(plan, prompt: list[int], generator: torch.Generator, on_cycle=None) 
             )
 
         if not torch.isfinite(state.logw).any():
-            raise AllParticlesDiedError("the constraints allow no first token of nonzero probability", result(state.logw, -math.inf, 0))
+            raise AllParticlesDiedError("no first token has nonzero probability under the target (and its constraints, if any)", result(state.logw, -math.inf, 0))
         while state.tokens.shape[1] < plan.max_tokens and not bool(state.finished.all()):
             tokens_this_cycle = min(k + 1, plan.max_tokens - state.tokens.shape[1])
             rows = int((~state.finished).sum())

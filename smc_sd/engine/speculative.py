@@ -102,7 +102,7 @@ def run_speculative(plan, prompt: list[int], generator: torch.Generator, on_cycl
         # [1, V]: p~ of the first token
         first_logp = apply_mask(tempered_logprobs(first_logits, plan.target_temperature)[None], first_mask)
         if not torch.isfinite(first_logp).any():
-            raise AllParticlesDiedError("the constraints allow no first token of nonzero probability", result())
+            raise AllParticlesDiedError("no first token has nonzero probability under the target (and its constraints, if any)", result())
         tokens.append(int(sample_tokens(first_logp, generator)))
         # tokens of the prefix the draft has not read yet
         draft_unseen = [tokens[0]]
