@@ -5,7 +5,6 @@ forward (the training-time test), exact sd through it, smc-sd with it, and the t
 import os
 import pathlib
 import sys
-import types
 
 import pytest
 import torch
@@ -20,6 +19,7 @@ from smc_sd.metrics import empirical, total_variation, tv_tolerance
 from smc_sd.models.feature_distill import held_back_acceptance, teacher_features, train, unrolled_loss
 from smc_sd.models.feature_draft import FeatureDraft, capture_layer_outputs, load_feature_draft
 from smc_sd.programs import smc_speculative, speculative
+from tests.tiny_llama import EOS, PROMPT, continuation_rows, lm, tiny_llama
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "benchmarks"))
 import draft_quality  # noqa: E402  (the benchmark script, importable once its folder is on the path)
@@ -27,27 +27,6 @@ import draft_quality  # noqa: E402  (the benchmark script, importable once its f
 # fp32 batching noise of these tiny models is ~1e-5 on logits; their features reach |100|
 ATOL = 1e-4
 FEATURE_ATOL = 1e-3
-EOS = 0
-PROMPT = [3, 1, 4, 1, 5]
-
-
-def tiny_llama(vocab: int = 64, seed: int = 0, layers: int = 2, init: float = 0.5) -> LlamaForCausalLM:
-    """A random Llama, frozen; a wide initialisation makes its next-token distributions peaked."""
-    torch.manual_seed(seed)
-    config = LlamaConfig(
-        vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, initializer_range=init,
-    )
-    return LlamaForCausalLM(config).eval().requires_grad_(False)
-
-
-def target_lm(model) -> HFLanguageModel:
-    tokenizer = types.SimpleNamespace(
-        eos_token_id=EOS,
-        get_vocab=lambda: {f"t{i}": i for i in range(model.config.vocab_size)},
-        decode=lambda ids, **_: " ".join(map(str, ids)),
-    )
-    return HFLanguageModel(model, tokenizer)
 
 
 def feature_draft(model, layers=(1,), seed: int = 7) -> FeatureDraftLM:
@@ -56,7 +35,7 @@ def feature_draft(model, layers=(1,), seed: int = 7) -> FeatureDraftLM:
     draft = FeatureDraft.from_target(model, layers)
     for weight in (draft.fc.weight, *([draft.fuse.weight] if len(layers) > 1 else [])):
         torch.nn.init.normal_(weight, std=0.3)
-    return FeatureDraftLM(target_lm(model), draft.requires_grad_(False))
+    return FeatureDraftLM(lm(model), draft.requires_grad_(False))
 
 
 def full_features(model, tokens: torch.Tensor, layers) -> torch.Tensor:
@@ -120,15 +99,14 @@ def model():
 
 @pytest.fixture(scope="module")
 def continuation():
-    # [2, 6] int64: two different rows
-    return torch.randint(1, 64, (2, 6), generator=torch.Generator().manual_seed(1))
+    return continuation_rows()
 
 
 @pytest.mark.parametrize("layers", [(1,), (0, 1)], ids=["last", "fused"])
 def test_target_rows_keep_the_features_of_a_fresh_forward(model, continuation, layers):
-    lm = target_lm(model)
-    lm.feature_layers = layers
-    rows, _ = lm.open(PROMPT, 2)
+    target = lm(model)
+    target.feature_layers = layers
+    rows, _ = target.open(PROMPT, 2)
     rows.extend(continuation[:, :2])
     rows.extend(continuation[:, 2:5])
     rows.select(torch.tensor([1, 1, 0]))
@@ -142,7 +120,7 @@ def test_target_rows_keep_the_features_of_a_fresh_forward(model, continuation, l
 
 
 def test_plain_target_rows_keep_no_features(model):
-    rows, _ = target_lm(model).open(PROMPT, 1)
+    rows, _ = lm(model).open(PROMPT, 1)
     with pytest.raises(ValueError, match="keep no features"):
         rows.features
 

@@ -6,45 +6,19 @@ the laws once more on the default model."""
 import pathlib
 import subprocess
 import sys
-import types
 
 import pytest
 import torch
 from torch._dynamo.utils import counters
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from smc_sd import Schedule, testing
 from smc_sd.backends.hf import HFLanguageModel
 from smc_sd.metrics import empirical, total_variation, tv_tolerance
 from smc_sd.programs import autoregressive, smc_speculative, speculative
+from tests.tiny_llama import EOS, PROMPT, continuation_rows, lm, tiny_llama, tokenizer
 
 # fp32 batching noise of these tiny models is ~1e-5
 ATOL = 1e-4
-EOS = 0
-PROMPT = [3, 1, 4, 1, 5]
-
-
-def tiny_llama(vocab: int = 64, seed: int = 0, layers: int = 2) -> LlamaForCausalLM:
-    """A random 2-layer Llama; a wide initialisation makes its next-token distributions peaked."""
-    torch.manual_seed(seed)
-    config = LlamaConfig(
-        vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, initializer_range=0.5,
-    )
-    return LlamaForCausalLM(config).eval()
-
-
-def tokenizer(vocab: int):
-    """The least a backend needs of a tokenizer: EOS, the vocabulary map and decode."""
-    return types.SimpleNamespace(
-        eos_token_id=EOS,
-        get_vocab=lambda: {f"t{i}": i for i in range(vocab)},
-        decode=lambda ids, **_: " ".join(map(str, ids)),
-    )
-
-
-def lm(model, **options) -> HFLanguageModel:
-    return HFLanguageModel(model, tokenizer(model.config.vocab_size), **options)
 
 
 @pytest.fixture(scope="module")
@@ -54,8 +28,7 @@ def model():
 
 @pytest.fixture(scope="module")
 def continuation():
-    # [2, 6] int64: two different rows
-    return torch.randint(1, 64, (2, 6), generator=torch.Generator().manual_seed(1))
+    return continuation_rows()
 
 
 def test_extend_matches_full_forward(model, continuation):
@@ -218,7 +191,7 @@ def test_unconstrained_engine_runs_without_vllm_genlm_and_llguidance():
     """The GPU machine has torch and transformers only: ar, sd and smc-sd on the static cache must
     not import vllm, genlm-control or llguidance (checked in a fresh interpreter that cannot)."""
     script = BLOCK_OPTIONAL_PACKAGES + """
-from tests.test_static_hf import PROMPT, lm, tiny_llama
+from tests.tiny_llama import PROMPT, lm, tiny_llama
 from smc_sd import Schedule
 from smc_sd.programs import autoregressive, smc_speculative, speculative
 target, draft = lm(tiny_llama(), kv_cache="static"), lm(tiny_llama(seed=5, layers=1), kv_cache="static")
