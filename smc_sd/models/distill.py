@@ -220,14 +220,19 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+def frozen_target():
+    """The default model in fp32, in eval mode with no gradients, and its tokenizer (offline)."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    torch.manual_seed(args.seed)
     target_dir = default_model_dir()
     target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32, local_files_only=True).eval()
     target.requires_grad_(False)
-    tokenizer = AutoTokenizer.from_pretrained(target_dir, local_files_only=True)
+    return target, AutoTokenizer.from_pretrained(target_dir, local_files_only=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    torch.manual_seed(args.seed)
+    target, tokenizer = frozen_target()
     eos = tokenizer.eos_token_id
     # the replies depend on the batching too (each batch is seeded by its first prompt's index)
     data_file = args.work / f"replies-p{args.prompts}-m{args.max_new_tokens}-b{args.gen_batch}-s{args.seed}.pt"

@@ -30,19 +30,16 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
 import pathlib
 import sys
 import time
 from dataclasses import dataclass
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from smc_sd.models.distill import HELDOUT, sample_replies
+from smc_sd.models.distill import HELDOUT, frozen_target, sample_replies
 from smc_sd.models.feature_draft import FEATURE_DRAFT_DIR, FeatureDraft, capture_layer_outputs
 from smc_sd.models.instructions import instruction_prompts
-from smc_sd.models.smollm2 import default_model_dir
 
 
 @dataclass
@@ -201,13 +198,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
     torch.manual_seed(args.seed)
     feature_layers = tuple(int(i) for i in args.feature_layers.split(","))
-    target_dir = default_model_dir()
-    target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32, local_files_only=True).eval()
-    target.requires_grad_(False)
-    tokenizer = AutoTokenizer.from_pretrained(target_dir, local_files_only=True)
+    target, tokenizer = frozen_target()
     layers_key = "-".join(map(str, feature_layers))
     data_file = args.work / f"features-p{args.prompts}-m{args.max_new_tokens}-b{args.gen_batch}-l{layers_key}-s{args.seed}.pt"
     if data_file.exists():
