@@ -19,7 +19,7 @@ from smc_sd.metrics import empirical, total_variation, tv_tolerance
 from smc_sd.models.feature_distill import held_back_acceptance, teacher_features, train, unrolled_loss
 from smc_sd.models.feature_draft import FeatureDraft, capture_layer_outputs, load_feature_draft
 from smc_sd.programs import smc_speculative, speculative
-from tests.tiny_llama import EOS, PROMPT, continuation_rows, lm, tiny_llama
+from tests.tiny_llama import EOS, PROMPT, continuation, lm, model, tiny_llama  # noqa: F401 (fixtures)
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "benchmarks"))
 import draft_quality  # noqa: E402  (the benchmark script, importable once its folder is on the path)
@@ -90,16 +90,6 @@ class PairedRows(Sequences):
     def close(self):
         self.target_rows.close()
         self.draft_rows.close()
-
-
-@pytest.fixture(scope="module")
-def model():
-    return tiny_llama()
-
-
-@pytest.fixture(scope="module")
-def continuation():
-    return continuation_rows()
 
 
 @pytest.mark.parametrize("layers", [(1,), (0, 1)], ids=["last", "fused"])

@@ -15,20 +15,10 @@ from smc_sd import Schedule, testing
 from smc_sd.backends.hf import HFLanguageModel
 from smc_sd.metrics import empirical, total_variation, tv_tolerance
 from smc_sd.programs import autoregressive, smc_speculative, speculative
-from tests.tiny_llama import EOS, PROMPT, continuation_rows, lm, tiny_llama, tokenizer
+from tests.tiny_llama import EOS, PROMPT, continuation, lm, model, tiny_llama, tokenizer  # noqa: F401 (fixtures)
 
 # fp32 batching noise of these tiny models is ~1e-5
 ATOL = 1e-4
-
-
-@pytest.fixture(scope="module")
-def model():
-    return tiny_llama()
-
-
-@pytest.fixture(scope="module")
-def continuation():
-    return continuation_rows()
 
 
 def test_extend_matches_full_forward(model, continuation):

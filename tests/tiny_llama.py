@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import types
 
+import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -40,3 +41,14 @@ def lm(model, **options) -> HFLanguageModel:
 def continuation_rows() -> torch.Tensor:
     """[2, 6] int64: two different continuations of PROMPT."""
     return torch.randint(1, 64, (2, 6), generator=torch.Generator().manual_seed(1))
+
+
+@pytest.fixture(scope="module")
+def model() -> LlamaForCausalLM:
+    """A module's tiny random target (import this fixture into a test module to use it)."""
+    return tiny_llama()
+
+
+@pytest.fixture(scope="module")
+def continuation() -> torch.Tensor:
+    return continuation_rows()

@@ -155,6 +155,23 @@ def batch_loss(student, teacher, samples: list[Sample], vocab_ids: torch.Tensor,
     return cross_entropy, acceptance
 
 
+def hold_back(samples: list) -> tuple[list, list]:
+    """(training samples, the last 2% held back for the acceptance figures)."""
+    split = max(1, len(samples) // 50)
+    return samples[:-split], samples[-split:]
+
+
+def warmup_cosine_adamw(model, lr: float, steps: int):
+    """AdamW (no weight decay) over the trainable parameters, with a linear warm-up over the first
+    5% of `steps` and a cosine decay to 0 at `steps`: (optimiser, its LambdaLR schedule)."""
+    optimiser = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr, weight_decay=0.0)
+    warmup = max(1, steps // 20)
+    schedule = torch.optim.lr_scheduler.LambdaLR(
+        optimiser, lambda s: min((s + 1) / warmup, 0.5 * (1 + math.cos(math.pi * min(s, steps) / steps)))
+    )
+    return optimiser, schedule
+
+
 def train(student, teacher, samples, vocab_ids, eos, epochs, batch, lr, seed, objective="kl", log_every=25):
     """AdamW over shuffled batches of samples (the last 2% held back for the acceptance figure).
 
@@ -164,15 +181,9 @@ def train(student, teacher, samples, vocab_ids, eos, epochs, batch, lr, seed, ob
     if objective not in ("kl", "tv"):
         raise ValueError(f"objective must be 'kl' or 'tv', not {objective!r}")
     generator = torch.Generator().manual_seed(seed)
-    split = max(1, len(samples) // 50)
-    train_set, check_set = samples[:-split], samples[-split:]
+    train_set, check_set = hold_back(samples)
     steps = epochs * math.ceil(len(train_set) / batch)
-    params = [p for p in student.parameters() if p.requires_grad]
-    optimiser = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
-    warmup = max(1, steps // 20)
-    schedule = torch.optim.lr_scheduler.LambdaLR(
-        optimiser, lambda s: min((s + 1) / warmup, 0.5 * (1 + math.cos(math.pi * min(s, steps) / steps)))
-    )
+    optimiser, schedule = warmup_cosine_adamw(student, lr, steps)
 
     def check() -> float:
         with torch.no_grad():
@@ -190,7 +201,7 @@ def train(student, teacher, samples, vocab_ids, eos, epochs, batch, lr, seed, ob
             loss = cross_entropy if objective == "kl" else 1 - acceptance
             optimiser.zero_grad()
             loss.backward()
-            torch.nn.utils.clip_grad_norm_(params, 1.0)
+            torch.nn.utils.clip_grad_norm_(optimiser.param_groups[0]["params"], 1.0)
             optimiser.step()
             schedule.step()
             step += 1

@@ -37,7 +37,7 @@ from dataclasses import dataclass
 
 import torch
 
-from smc_sd.models.distill import HELDOUT, frozen_target, sample_replies
+from smc_sd.models.distill import HELDOUT, frozen_target, hold_back, sample_replies, warmup_cosine_adamw
 from smc_sd.models.feature_draft import FEATURE_DRAFT_DIR, FeatureDraft, capture_layer_outputs
 from smc_sd.models.instructions import instruction_prompts
 
@@ -144,15 +144,9 @@ def train(draft: FeatureDraft, samples: list[FeatureSample], epochs: int, batch:
     if objective not in ("kl", "tv"):
         raise ValueError(f"objective must be 'kl' or 'tv', not {objective!r}")
     generator = torch.Generator().manual_seed(seed)
-    split = max(1, len(samples) // 50)
-    train_set, check_set = samples[:-split], samples[-split:]
+    train_set, check_set = hold_back(samples)
     total = epochs * math.ceil(len(train_set) / batch)
-    params = [p for p in draft.parameters() if p.requires_grad]
-    optimiser = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
-    warmup = max(1, total // 20)
-    schedule = torch.optim.lr_scheduler.LambdaLR(
-        optimiser, lambda s: min((s + 1) / warmup, 0.5 * (1 + math.cos(math.pi * min(s, total) / total)))
-    )
+    optimiser, schedule = warmup_cosine_adamw(draft, lr, total)
 
     def check() -> str:
         return " ".join(f"{a:.3f}" for a in held_back_acceptance(draft, check_set, steps, batch))
@@ -166,7 +160,7 @@ def train(draft: FeatureDraft, samples: list[FeatureSample], epochs: int, batch:
             loss = cross_entropy.mean() if objective == "kl" else 1 - acceptance.mean()
             optimiser.zero_grad()
             loss.backward()
-            torch.nn.utils.clip_grad_norm_(params, 1.0)
+            torch.nn.utils.clip_grad_norm_(optimiser.param_groups[0]["params"], 1.0)
             optimiser.step()
             schedule.step()
             step += 1
