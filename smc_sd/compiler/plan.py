@@ -168,7 +168,7 @@ def compile_program(program, schedule, prompt_length: int) -> StepPlan:
     constraints = tuple(as_token_constraint(c, target.lm) for c in target.constraints)
     potentials = tuple(as_block_potential(p, target.lm) for p in target.potentials)
     # the exact test of what llguidance only over-approximates is phi at completion
-    checks = completion_checks(target.constraints, target.lm)
+    checks = completion_checks(constraints, target.lm)
     _require(
         not checks or program.verification == "importance",
         "this JSON schema is only over-approximated by its masks and checked at completion, which "

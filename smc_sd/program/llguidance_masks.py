@@ -131,13 +131,15 @@ class GrammarConstraint(TokenConstraint):
         grammar: an llguidance grammar (from `LLMatcher.grammar_from_*`).
         lm: the model whose tokens are masked.
         description: what the grammar is, for error messages.
+        exact_check: None when the grammar is exactly its source's language; else bytes -> bool,
+            the exact test of complete strings (the compiler makes it phi at completion).
 
     Raises:
         ValueError: when llguidance refuses the grammar for this tokenizer.
     """
 
-    def __init__(self, grammar: str, lm, description: str = "grammar"):
-        self.vocab_size = lm.vocabulary.size
+    def __init__(self, grammar: str, lm, description: str = "grammar", exact_check=None):
+        self.vocab_size, self.exact_check = lm.vocabulary.size, exact_check
         self._tokenizer, allowed = lm_tokenizer(lm)
         # [W] int32: the allowed-token row as bit words over the tokenizer's ids
         width = llguidance.torch.get_bitmask_shape(1, self._tokenizer.vocab_size)[1]

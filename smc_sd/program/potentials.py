@@ -195,7 +195,7 @@ def _lower(constraint, lm) -> TokenConstraint:
     grammar = lower(constraint)
     if grammar is None:
         return BytePotentialConstraint(constraint, lm)
-    return GrammarConstraint(grammar.grammar, lm, grammar.description)
+    return GrammarConstraint(grammar.grammar, lm, grammar.description, grammar.exact_check)
 
 
 class CompletionCheck(BlockPotential):
@@ -216,20 +216,13 @@ class CompletionCheck(BlockPotential):
         return torch.tensor([0.0 if not c or self.check(t) else float("-inf") for t, c in zip(texts, complete)], dtype=torch.float64)
 
 
-def completion_checks(constraints, lm) -> tuple:
-    """The `CompletionCheck`s of a program's constraints that llguidance only over-approximates."""
-    if not constraints:
-        # unconstrained programs run without genlm-control installed (the GPU machine has none)
-        return ()
-    from genlm.control.potential import Potential
-
-    from smc_sd.program.genlm_lowering import factors, lower
-
+def completion_checks(constraints: tuple[TokenConstraint, ...], lm) -> tuple:
+    """The `CompletionCheck`s of lowered constraints whose llguidance grammar only
+    over-approximates its source (members of a conjunction included)."""
     out = []
     for constraint in constraints:
-        if isinstance(constraint, Potential) and is_byte_potential(constraint):
-            for part in factors(constraint):
-                grammar = lower(part)
-                if grammar is not None and grammar.exact_check is not None:
-                    out.append(CompletionCheck(grammar.exact_check, lm))
+        if isinstance(constraint, ConjunctionConstraint):
+            out += completion_checks(constraint.members, lm)
+        elif getattr(constraint, "exact_check", None) is not None:
+            out.append(CompletionCheck(constraint.exact_check, lm))
     return tuple(out)
