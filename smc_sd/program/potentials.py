@@ -26,54 +26,13 @@ import weakref
 
 import torch
 
+from smc_sd.program.byte_vocabulary import vocabulary_trie
 from smc_sd.program.constraints import ConjunctionConstraint, TokenConstraint
 from smc_sd.program.scores import BlockPotential
 
 
-# per LM: its byte vocabulary and trie; its lowered constraints {id(potential): (potential, lowered)}
-_TRIES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+# per LM: its lowered constraints {id(potential): (potential, lowered)}
 _LOWERED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
-def vocabulary_trie(lm) -> tuple[list[bytes | None], dict]:
-    """`token_bytes(lm)` and its `byte_trie`, built once per LM (about 1.5 s for 49152 tokens)."""
-    if lm not in _TRIES:
-        vocabulary = token_bytes(lm)
-        _TRIES[lm] = (vocabulary, byte_trie(vocabulary))
-    return _TRIES[lm]
-
-
-def token_bytes(lm) -> list[bytes | None]:
-    """The byte string of every token id of `lm` (None for special tokens and padding rows).
-
-    Args:
-        lm: a `LanguageModel`; with a transformers tokenizer its byte-level vocabulary is read
-            by genlm-backend, otherwise `lm.decode([t])` is UTF-8 encoded (toy models).
-    """
-    size, eos = lm.vocabulary.size, lm.vocabulary.eos_token_id
-    if lm.tokenizer is None:
-        return [None if t == eos else lm.decode([t]).encode() for t in range(size)]
-    from genlm.backend.tokenization import decode_vocab
-
-    byte_vocab, _ = decode_vocab(lm.tokenizer)
-    special = set(lm.tokenizer.all_special_ids)
-    out: list[bytes | None] = [None] * size
-    for token in byte_vocab:
-        if token.token_id < size and token.token_id not in special:
-            out[token.token_id] = bytes(token)
-    return out
-
-
-def byte_trie(vocabulary: list[bytes | None]) -> dict:
-    """A trie of token byte strings: node = {byte: child}, with the ids ending at a node under None."""
-    root: dict = {}
-    for token_id, data in enumerate(vocabulary):
-        if data:
-            node = root
-            for byte in data:
-                node = node.setdefault(byte, {})
-            node.setdefault(None, []).append(token_id)
-    return root
 
 
 class BytePotentialConstraint(TokenConstraint):

@@ -19,6 +19,8 @@ from typing import Callable
 
 import torch
 
+from smc_sd.program.byte_vocabulary import vocabulary_trie
+
 
 class BlockPotential(abc.ABC):
     """A positive potential on generated token sequences, scored on whole prefixes."""
@@ -55,8 +57,6 @@ class BytePotentialScore(BlockPotential):
     """
 
     def __init__(self, potential, lm):
-        from smc_sd.program.potentials import vocabulary_trie
-
         self.potential = potential
         self._vocabulary = vocabulary_trie(lm)[0]
         self._loop = asyncio.new_event_loop()
