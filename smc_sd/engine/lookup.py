@@ -19,8 +19,9 @@ its last occurrence ending before the prompt's final token, P * max_ngram entrie
 tokens. Occurrences ending at the prompt's final token or later (they involve the generated
 tokens) are found by scanning the generated text directly on each call, so nothing per particle is
 stored: particles fork and resample freely, and one index serves them all. A call costs
-O(G + number of positions holding the last token x max_ngram) for G generated tokens, plus at
-most max_ngram dict look-ups.
+O(G) list work in C plus, in Python, max_ngram comparisons for each position of the generated
+text holding the last token (from the latest back, until a full max_ngram match), plus at most
+max_ngram dict look-ups.
 """
 
 from __future__ import annotations
@@ -104,24 +105,31 @@ class LookupIndex:
         """(match length, end index in tail) of the longest, then latest, earlier occurrence of a
         suffix of tail that ends at the prompt's final token or later; None if there is none.
 
-        Ends e run over tail indices len(prompt_tail) - 1 .. len(tail) - 2 with tail[e] equal to the
-        last token; the match length is the count of equal tokens backwards, capped at max_ngram.
+        Ends e run over tail indices len(tail) - 2 down to len(prompt_tail) - 1 with tail[e] equal
+        to the last token (found by list.index over the reversed tail); the match length is the
+        count of equal tokens backwards, capped at max_ngram. Going from the latest end, a match
+        replaces the best only when strictly longer, and a full-length one ends the scan.
         """
         size = len(tail)
-        last = tail[-1]
+        backwards = tail[::-1]
+        last = backwards[0]
+        # reversed index i = size - 1 - e; the scanned ends are i = 1 .. size - len(prompt_tail)
+        stop = size - max(len(self._prompt_tail) - 1, 0)
         best = None
         best_len = 0
-        end = max(len(self._prompt_tail) - 1, 0) - 1
+        at = 0
         while True:
             try:
-                end = tail.index(last, end + 1, size - 1)
+                at = backwards.index(last, at + 1, stop)
             except ValueError:
                 return best
             length = 1
-            while length < self.max_ngram and length <= end and tail[end - length] == tail[size - 1 - length]:
+            while length < self.max_ngram and at + length < size and backwards[at + length] == backwards[length]:
                 length += 1
-            if length >= best_len:
-                best, best_len = (length, end), length
+            if length > best_len:
+                best, best_len = (length, size - 1 - at), length
+                if length == self.max_ngram:
+                    return best
 
     def _continuation(self, start: int, generated: list[int], max_len: int) -> list[int]:
         """T[start : start + max_len], capped at the end of T, with start counted from the first
