@@ -32,9 +32,10 @@ def load_default_models(draft_dir: str | None = None):
     the shipped feature-reading draft ("feature", paired with this target)
     or a local draft directory."""
     from smc_sd.backends.hf import HFLanguageModel
+    from smc_sd.drafts import named_draft
 
     target = HFLanguageModel.default()
-    return target, HFLanguageModel.named_draft(draft_dir, target=target)
+    return target, named_draft(draft_dir, target=target)
 
 
 def describe_draft(draft: str | None) -> str:

@@ -30,8 +30,6 @@ from smc_sd.programs import MODULES, get
 
 
 VLLM_DTYPES = ["float32", "bfloat16", "float16", "auto"]
-#: the --draft names of drafts of the default model shipped with the package
-PACKAGE_DRAFTS = ("self", "distilled", "feature")
 
 
 class ArgumentParser(argparse.ArgumentParser):
@@ -131,8 +129,7 @@ def check_model_choice(args) -> None:
     """Refuse model choices that cannot work, before loading anything: paths that hold no model,
     a --draft for ar, a package draft (a draft of the default model) or no draft with another
     --target, and on vLLM a distilled restricted-vocabulary or a feature-reading draft."""
-    from smc_sd.models.draft import is_draft_dir
-    from smc_sd.models.feature_draft import is_feature_draft_dir
+    from smc_sd.drafts import PACKAGE_DRAFTS, needs_hf_backend
 
     if args.target is not None:
         check_model_dir("--target", args.target)
@@ -146,9 +143,7 @@ def check_model_choice(args) -> None:
         raise ValueError(f"--draft {args.draft} is a draft of the default model; with --target give a --draft model directory")
     if args.draft is None and args.target is not None:
         raise ValueError(f"--method {args.method} with --target needs a --draft model directory")
-    hf_only = args.draft in ("distilled", "feature") or (
-        args.draft not in (None, *PACKAGE_DRAFTS) and (is_draft_dir(args.draft) or is_feature_draft_dir(args.draft)))
-    if args.backend == "vllm" and hf_only:
+    if args.backend == "vllm" and needs_hf_backend(args.draft):
         raise ValueError(f"--draft {args.draft}: a distilled restricted-vocabulary or feature-reading draft runs on --backend hf only")
 
 
@@ -177,6 +172,7 @@ def load_models(args):
     from transformers.utils import logging as transformers_logging
 
     from smc_sd.backends.hf import HFLanguageModel
+    from smc_sd.drafts import named_draft
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     # stderr carries the CLI's own progress line; transformers' per-load bars would clutter it
@@ -186,7 +182,7 @@ def load_models(args):
     if model_count(args) == 1:
         return target, None
     with loading("--draft", args.draft):
-        return target, HFLanguageModel.named_draft(args.draft, args.target, args.device, target=target)
+        return target, named_draft(args.draft, args.target, args.device, target=target)
 
 
 @contextlib.contextmanager
@@ -194,6 +190,8 @@ def loading(flag: str, path: str | None):
     """Turn a model directory's load failure (transformers raises OSError or ValueError, often in
     several lines) into one ValueError line naming the flag and the directory. The package's own
     models (no path, PACKAGE_DRAFTS) pass their errors through unchanged."""
+    from smc_sd.drafts import PACKAGE_DRAFTS
+
     try:
         yield
     except (OSError, ValueError) as error:

@@ -9,7 +9,8 @@ import torch
 from smc_sd import testing
 from smc_sd.backends.base import check_same_vocabulary
 from smc_sd.backends.hf import chat_prompt
-from smc_sd.models.draft import DRAFT_DIR, GROUP, RestrictedVocabLM, dequantize_int8, is_draft_dir, quantize_int8
+from smc_sd.backends.restricted_vocab import RestrictedVocabLM
+from smc_sd.models.draft import DRAFT_DIR, GROUP, dequantize_int8, is_draft_dir, quantize_int8
 
 pytestmark = pytest.mark.model
 
@@ -50,9 +51,9 @@ def test_shipped_files_are_small_and_self_contained():
 
 @pytest.fixture(scope="module")
 def distilled_draft():
-    from smc_sd.backends.hf import HFLanguageModel
+    from smc_sd import drafts
 
-    return HFLanguageModel.distilled_draft()
+    return drafts.distilled_draft()
 
 
 def test_distilled_draft_is_restricted_and_pairs_with_the_target(default_lm, distilled_draft):

@@ -15,6 +15,7 @@ from smc_sd.backends.base import LanguageModel, Sequences
 from smc_sd.backends.toy import ToyLM
 from smc_sd.backends.feature_draft import FeatureDraftLM
 from smc_sd.backends.hf import HFLanguageModel
+from smc_sd.drafts import named_draft
 from smc_sd.metrics import empirical, total_variation, tv_tolerance
 from smc_sd.models.feature_distill import held_back_acceptance, teacher_features, train, unrolled_loss
 from smc_sd.models.feature_draft import FeatureDraft, capture_layer_outputs, load_feature_draft
@@ -278,9 +279,9 @@ def test_training_raises_acceptance_at_every_block_position():
 
 def test_the_shipped_feature_draft_loads_over_the_default_target():
     with pytest.raises(ValueError, match="pass it"):
-        HFLanguageModel.named_draft("feature")
+        named_draft("feature")
     target = HFLanguageModel.default()
-    draft = HFLanguageModel.named_draft("feature", target=target)
+    draft = named_draft("feature", target=target)
     assert draft.model.feature_layers == (target.model.config.num_hidden_layers - 1,)
     prompt = [1, 2, 3, 4]
     target_rows, _ = target.open(prompt, 2)

@@ -30,6 +30,7 @@ import torch
 from transformers import DynamicCache
 
 from smc_sd.backends.base import LanguageModel, Sequences, Vocabulary, check_extend, check_open, check_rows, check_truncate
+from smc_sd.backends.hf import HFLanguageModel
 from smc_sd.backends.paged_hf import PagedHFSequences
 from smc_sd.models.feature_draft import FeatureDraft
 
@@ -47,8 +48,6 @@ class FeatureDraftLM(LanguageModel):
     """
 
     def __init__(self, target, model: FeatureDraft):
-        from smc_sd.backends.hf import HFLanguageModel
-
         if not isinstance(target, HFLanguageModel) or target.kv_cache != "paged":
             raise ValueError(
                 "a feature draft reads the target's hidden states, which only the hf backend's paged rows keep "

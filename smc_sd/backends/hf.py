@@ -126,9 +126,10 @@ class HFLanguageModel(LanguageModel):
     def default_draft(cls, device: str | torch.device = "cpu", **options) -> HFLanguageModel:
         """The default draft: `self_draft`.
 
-        The distilled draft (`distilled_draft`) costs a quarter of a target token but agrees with
-        the target too little (held-out acceptance 0.44) for SMC-SD at small N to follow the
-        target (README, "The distilled draft"), so it is opt-in until a better one is trained.
+        The distilled draft (`smc_sd.drafts.distilled_draft`) costs a quarter of a target token but
+        agrees with the target too little (held-out acceptance 0.44) for SMC-SD at small N to
+        follow the target (README, "The distilled draft"), so it is opt-in until a better one is
+        trained. `smc_sd.drafts` resolves every `--draft` name.
         """
         return cls.self_draft(device, **options)
 
@@ -138,51 +139,6 @@ class HFLanguageModel(LanguageModel):
         from smc_sd.models.smollm2 import SELF_DRAFT_DROPPED_LAYERS, default_model_dir
 
         return cls.from_pretrained(default_model_dir(), device=device, drop_layers=SELF_DRAFT_DROPPED_LAYERS, **options)
-
-    @classmethod
-    def distilled_draft(cls, device: str | torch.device = "cpu", **options) -> HFLanguageModel:
-        """The draft distilled from the default model and shipped with the package.
-
-        Six decoder layers over the target's own embedding, scoring a restricted vocabulary
-        (q = 0 elsewhere); see `smc_sd.models.draft` and the recipe `smc_sd.models.distill`.
-        """
-        from smc_sd.models.draft import load_draft
-        from smc_sd.models.smollm2 import default_model_dir
-
-        return load_draft(default_model_dir(), device=device, **options)
-
-    @classmethod
-    def named_draft(cls, name: str | None, target_dir=None, device: str | torch.device = "cpu", target=None) -> LanguageModel:
-        """The draft a `--draft` value names.
-
-        None: `default_draft`; "self": `self_draft`; "distilled": `distilled_draft`; "feature":
-        the shipped feature-reading draft (`smc_sd.backends.feature_draft`) of `target`, the
-        loaded default model it pairs with; a directory saved by the distillation recipe: that
-        draft over the embedding of the target in `target_dir` (default: the default model); a
-        directory saved by the feature recipe: that feature draft of `target`; any other path: a
-        transformers model directory.
-
-        Raises:
-            ValueError: for a feature draft without `target`.
-        """
-        from smc_sd.backends.feature_draft import FeatureDraftLM
-        from smc_sd.models.draft import is_draft_dir, load_draft
-        from smc_sd.models.feature_draft import FEATURE_DRAFT_DIR, is_feature_draft_dir, load_feature_draft
-        from smc_sd.models.smollm2 import default_model_dir
-
-        if name is None:
-            return cls.default_draft(device)
-        if name == "self":
-            return cls.self_draft(device)
-        if name == "distilled":
-            return cls.distilled_draft(device)
-        if name == "feature" or is_feature_draft_dir(name):
-            if target is None:
-                raise ValueError("a feature draft reads its target's hidden states: load the target first and pass it")
-            return FeatureDraftLM(target, load_feature_draft(target.model, FEATURE_DRAFT_DIR if name == "feature" else name))
-        if is_draft_dir(name):
-            return load_draft(target_dir or default_model_dir(), name, device=device)
-        return cls.from_pretrained(name, device=device)
 
     @property
     def vocabulary(self) -> Vocabulary:

@@ -1,4 +1,4 @@
-"""The default draft: a small Llama distilled from SmolLM2-135M-Instruct, shipped with the package.
+"""The distilled draft: a small Llama distilled from SmolLM2-135M-Instruct, shipped with the package.
 
 The draft reads the target's (frozen) token embedding, runs a few decoder layers of the target's
 width (576) and scores a restricted output vocabulary S, |S| = V_S << V: the LM head over all
@@ -12,19 +12,11 @@ GROUP consecutive entries of a row,
 
     s_rg = max_{c in g} |W_rc| / 127,   Q_rc = round(W_rc / s_rg),   loaded as W'_rc = s_rg Q_rc,
 
-and the norms in fp16. The draft IS the dequantized model: its q below is computed from W', so
+and the norms in fp16. The draft IS the dequantized model: its q is computed from W', so
 the weights and acceptance tests use exactly the distribution it samples from.
 
-The draft's distribution over the full vocabulary is
-
-    q(v) = softmax(z)_v for v in S,  q(v) = 0 for v not in S,
-
-where z [V_S] are the head's logits. `RestrictedVocabLM` returns [B, L, V] logits equal to z on S
-and `MASKED_LOGIT` elsewhere. MASKED_LOGIT is finite (backends return finite logits) and so far
-below any real logit (|z| < 100) that exp underflows to exactly 0 in float32 at any draft
-temperature T_d <= 10: the q used in weights and acceptance tests is exactly the distribution the
-draft samples from, with q = 0 outside S. (At a higher T_d tokens outside S get a tiny positive q;
-the sampler still uses that same q, so the maths stays exact.)
+The draft's q is 0 off S: `smc_sd.backends.restricted_vocab.RestrictedVocabLM` runs the model
+loaded here and scatters its V_S logits into the full vocabulary; `smc_sd.drafts` pairs the two.
 """
 
 from __future__ import annotations
@@ -35,40 +27,13 @@ import pathlib
 import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
-from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+from transformers import LlamaConfig, LlamaForCausalLM
 
-from smc_sd.backends.hf import HFLanguageModel
-
-MASKED_LOGIT = -1e4
 DRAFT_DIR = pathlib.Path(__file__).parent / "smollm2_draft"
 WEIGHTS = "model.safetensors"
 EMBEDDING = "model.embed_tokens.weight"
 SCALE = ".int8_scale"
 GROUP = 16
-
-
-class RestrictedVocabLM(HFLanguageModel):
-    """An `HFLanguageModel` whose head scores only the token ids `vocab_ids`.
-
-    Args:
-        model: a LlamaForCausalLM whose `lm_head` maps to V_S = len(vocab_ids) outputs and whose
-            `config.vocab_size` is the full V (its input embedding has V rows).
-        tokenizer: the target's tokenizer.
-        vocab_ids: [V_S] int64, distinct token ids, the support S of q.
-        options: passed to `HFLanguageModel` (`kv_cache`, `block_size`).
-    """
-
-    def __init__(self, model, tokenizer, vocab_ids: torch.Tensor, **options):
-        super().__init__(model, tokenizer, **options)
-        self.vocab_ids = vocab_ids.to(device=model.device, dtype=torch.long)
-
-    def _forward(self, tokens, start, cache, last_only=False):
-        """The base forward's [B, L, V_S] logits scattered into [B, L, V], MASKED_LOGIT off S."""
-        # [B, L, V_S]
-        compact = super()._forward(tokens, start, cache, last_only)
-        full = compact.new_full((*compact.shape[:2], self.vocabulary.size), MASKED_LOGIT)
-        full[..., self.vocab_ids] = compact
-        return full
 
 
 def build_student(target_config: LlamaConfig, layers: int, vocab_ids: torch.Tensor) -> LlamaForCausalLM:
@@ -129,15 +94,11 @@ def dequantize(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return weights
 
 
-def load_draft(
-    target_dir: pathlib.Path,
-    draft_dir: pathlib.Path = DRAFT_DIR,
-    device: str | torch.device = "cpu",
-    **options,
-) -> RestrictedVocabLM:
-    """The shipped draft in float32, with the embedding and tokenizer of the target in target_dir.
+def load_draft_model(target_dir: pathlib.Path, draft_dir: pathlib.Path = DRAFT_DIR) -> tuple[LlamaForCausalLM, torch.Tensor]:
+    """The draft saved in draft_dir, in float32 on the CPU, over the embedding of the target in target_dir.
 
-    `options` go to `RestrictedVocabLM` (`kv_cache`, `block_size`).
+    Returns:
+        The model (its head [V_S, 576]) and the ids of S, [V_S] int64.
 
     Raises:
         FileNotFoundError: if either directory lacks its weights.
@@ -153,8 +114,7 @@ def load_draft(
     model.load_state_dict(dequantize(state), strict=True, assign=True)
     # the rotary tables are buffers computed at construction, not stored weights
     model.model.rotary_emb = type(model.model.rotary_emb)(config=config)
-    tokenizer = AutoTokenizer.from_pretrained(target_dir, local_files_only=True)
-    return RestrictedVocabLM(model.to(device), tokenizer, vocab_ids, **options)
+    return model, vocab_ids
 
 
 def is_draft_dir(path) -> bool:
