@@ -39,6 +39,60 @@ class DraftBlock:
     dead: torch.Tensor | None = None
 
 
+class BlockDrafter:
+    """One cycle's draft draws for N rows, one position at a time.
+
+    `draw` turns the draft's next-token logits into q~ = softmax(logits / T_d) · m / Z_q (the
+    constraint mask m of the tokens drafted so far, when there is one), draws a token per row
+    from it and records log q~, so a caller that batches the draft's forwards over several
+    requests draws each request's tokens exactly as `draft_block` would.
+
+    Args:
+        n: N, the rows.
+        temperature: T_d.
+        generator: the run's random generator.
+        mask_at: as in `draft_block`, or None when unconstrained.
+    """
+
+    def __init__(self, n: int, temperature: float, generator: torch.Generator, mask_at=None):
+        self.n, self.temperature, self.generator, self.mask_at = n, temperature, generator, mask_at
+        self.drafted, self.logq, self.masks, self.dead = [], [], [], []
+
+    def draw(self, logits: torch.Tensor) -> torch.Tensor:
+        """Draw the next drafted token of every row.
+
+        Args:
+            logits: [N, V] float32 draft logits after the last token fed.
+
+        Returns:
+            [N] int64 tokens.
+        """
+        # [N, V]: next-token distribution after the last fed token
+        logq_next = tempered_logprobs(logits, self.temperature)
+        if self.mask_at is not None:
+            # [N, j]: the tokens drafted so far
+            so_far = torch.stack(self.drafted, 1) if self.drafted else torch.empty(self.n, 0, dtype=torch.long)
+            mask, _ = self.mask_at(so_far)
+            # rows that are not live have all-one masks, so only live rows can lack mass
+            logq_next, no_mass = masked_logprobs(logq_next, mask)
+            self.masks.append(mask)
+            self.dead.append(no_mass)
+        token = sample_tokens(logq_next, self.generator)
+        self.drafted.append(token)
+        self.logq.append(logq_next)
+        return token
+
+    def block(self, vocab_size: int) -> DraftBlock:
+        """The tokens drawn so far (K = the number of `draw` calls, possibly 0) as a DraftBlock."""
+        if not self.drafted:
+            return DraftBlock(torch.empty(self.n, 0, dtype=torch.long), torch.empty(self.n, 0, vocab_size))
+        if self.mask_at is None:
+            return DraftBlock(torch.stack(self.drafted, 1), torch.stack(self.logq, 1))
+        return DraftBlock(
+            torch.stack(self.drafted, 1), torch.stack(self.logq, 1), torch.stack(self.masks, 1), torch.stack(self.dead, 1)
+        )
+
+
 def draft_block(
     rows: Sequences,
     unseen: torch.Tensor,
@@ -52,7 +106,7 @@ def draft_block(
     Args:
         rows: the draft's sequences (N rows).
         unseen: [N, U] int64 tokens of the prefix the draft has not read yet (U >= 1).
-        draft_len: K.
+        draft_len: K >= 1.
         temperature: T_d.
         mask_at: maps the tokens drafted so far, [N, j] int64, to the constraint mask before
             position j + 1 ([N, V] bool) and its dead rows ([N] bool); None when unconstrained.
@@ -60,26 +114,12 @@ def draft_block(
     Returns:
         The block; the draft has then read everything but its last token.
     """
-    drafted, logq, masks, dead = [], [], [], []
+    drafter = BlockDrafter(unseen.shape[0], temperature, generator, mask_at)
     feed = unseen
     for _ in range(draft_len):
-        # [N, V]: next-token distribution after the last fed token
-        logq_next = tempered_logprobs(rows.extend(feed)[:, -1], temperature)
-        if mask_at is not None:
-            # [N, j]: the tokens drafted so far
-            so_far = torch.stack(drafted, 1) if drafted else unseen.new_empty(unseen.shape[0], 0)
-            mask, _ = mask_at(so_far)
-            # rows that are not live have all-one masks, so only live rows can lack mass
-            logq_next, no_mass = masked_logprobs(logq_next, mask)
-            masks.append(mask)
-            dead.append(no_mass)
-        token = sample_tokens(logq_next, generator)
-        drafted.append(token)
-        logq.append(logq_next)
-        feed = token[:, None]
-    if mask_at is None:
-        return DraftBlock(torch.stack(drafted, 1), torch.stack(logq, 1))
-    return DraftBlock(torch.stack(drafted, 1), torch.stack(logq, 1), torch.stack(masks, 1), torch.stack(dead, 1))
+        logits = rows.extend(feed)[:, -1]
+        feed = drafter.draw(logits)[:, None]
+    return drafter.block(logits.shape[-1])
 
 
 def block_masks(masker, prefixes: list[list[int]], live: torch.Tensor, eos: int):

@@ -102,28 +102,51 @@ def first_particles(plan, first_logits: torch.Tensor, first_mask: torch.Tensor |
 def propose_and_verify(plan, state: Particles, target_rows: Sequences, draft_rows, generator) -> tuple[torch.Tensor, torch.Tensor]:
     """Draft K tokens for every unfinished particle, score them in ONE target pass, draw the bonus.
 
-    With constraints the draft and the bonus token are masked (`smc_sd.engine.masking`): a
-    drafted column adds alpha log p_T(x_k) - log q~(x_k), the bonus adds
-    log sum_v p_T(v)^alpha m(v), and a position where q~ does not exist gets -inf.
-
     Returns:
         block: [A, K + 1] int64 drafted tokens then the bonus token, for the unfinished particles
-            in particle order; increments: [A, K + 1] float64 their log-weight increments.
+            in particle order; increments: [A, K + 1] float64 their log-weight increments
+            (`verify_block`).
     """
-    k, eos = plan.draft_len, plan.target.vocabulary.eos_token_id
     active = (~state.finished).nonzero().flatten()
-    mask_at = None
-    if plan.masker is not None:
-        mask_at = block_masks(plan.masker, state.tokens[active].tolist(), torch.isfinite(state.logw[active]), eos)
-    if k > 0:
-        draft = draft_block(draft_rows, state.draft_unseen[active], k, plan.draft_temperature, generator, mask_at)
+    mask_at = cycle_masks(plan, state, active)
+    if plan.draft_len > 0:
+        draft = draft_block(draft_rows, state.draft_unseen[active], plan.draft_len, plan.draft_temperature, generator, mask_at)
     else:
         draft = DraftBlock(torch.empty(active.numel(), 0, dtype=torch.long), torch.empty(active.numel(), 0, plan.target.vocabulary.size))
+    target_logits = target_rows.extend(torch.cat([state.target_unseen[active], draft.tokens], 1))
+    return verify_block(plan, target_logits, draft, mask_at, generator)
+
+
+def cycle_masks(plan, state: Particles, active: torch.Tensor):
+    """The `mask_at` of one cycle for the unfinished particles `active` ([A] int64), or None
+    when the plan has no constraints (`smc_sd.engine.drafting.block_masks`)."""
+    if plan.masker is None:
+        return None
+    eos = plan.target.vocabulary.eos_token_id
+    return block_masks(plan.masker, state.tokens[active].tolist(), torch.isfinite(state.logw[active]), eos)
+
+
+def verify_block(plan, target_logits: torch.Tensor, draft: DraftBlock, mask_at, generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """Score a drafted block with the target's logits and draw the bonus token.
+
+    With constraints the bonus token is masked (`smc_sd.engine.masking`): a drafted column adds
+    alpha log p_T(x_k) - log q~(x_k), the bonus adds log sum_v p_T(v)^alpha m(v), and a position
+    where q~ does not exist gets -inf.
+
+    Args:
+        target_logits: [A, K + 1, V] float32 target logits after the unseen token and after
+            each drafted token.
+        draft: the cycle's DraftBlock ([A, K] tokens).
+        mask_at: the cycle's masks, or None.
+
+    Returns:
+        block: [A, K + 1] int64 drafted tokens then the bonus token; increments: [A, K + 1]
+        float64 their log-weight increments.
+    """
+    k = plan.draft_len
     drafted = draft.tokens
     # [A, K + 1, V]: alpha log p_T after the unseen token and after each drafted token
-    scores = plan.alpha * tempered_logprobs(
-        target_rows.extend(torch.cat([state.target_unseen[active], drafted], 1)), plan.target_temperature
-    )
+    scores = plan.alpha * tempered_logprobs(target_logits, plan.target_temperature)
     # [A, V]: the bonus token's scores, masked; a row the mask leaves without mass has an all
     # -inf row, whose logsumexp zeroes the weight, and draws unmasked to keep shapes static
     bonus_scores = scores[:, k]
@@ -139,11 +162,14 @@ def propose_and_verify(plan, state: Particles, target_rows: Sequences, draft_row
     return torch.cat([drafted, bonus[:, None]], 1), increments
 
 
-def advance(plan, state: Particles, block: torch.Tensor, increments: torch.Tensor) -> Particles:
+def advance(plan, state: Particles, block: torch.Tensor, increments: torch.Tensor, stops: torch.Tensor | None = None) -> Particles:
     """Append the cycle's block to every particle and add the columns that count to its weight.
 
     Args:
         block, increments: [A, K + 1] from `propose_and_verify`; finished particles get EOS filler.
+        stops: [A, K + 1] bool, columns after which the particle's string ends although they
+            are not EOS (a stop string completed there), or None. The particle finishes there;
+            later columns count nothing and become EOS filler, exactly as after an EOS.
     """
     n, k, eos = plan.particles, plan.draft_len, plan.target.vocabulary.eos_token_id
     budget = plan.max_tokens - state.tokens.shape[1]
@@ -154,9 +180,18 @@ def advance(plan, state: Particles, block: torch.Tensor, increments: torch.Tenso
     full_increments = torch.zeros(n, k + 1, dtype=torch.float64)
     full_increments[active] = increments
     keep = block_mask(full_block, state.finished, eos, budget)
+    ends = (full_block == eos) & keep
+    if stops is not None:
+        full_stops = torch.zeros(n, k + 1, dtype=torch.bool)
+        full_stops[active] = stops
+        # a stop strictly before this column
+        after_stop = (torch.cumsum(full_stops.long(), 1) - full_stops.long()) > 0
+        keep = keep & ~after_stop
+        full_block = full_block.masked_fill(after_stop, eos)
+        ends = ((full_block == eos) | full_stops) & keep
     advanced = Particles(
         tokens=torch.cat([state.tokens, full_block[:, : min(k + 1, budget)]], 1),
-        finished=state.finished | ((full_block == eos) & keep).any(1),
+        finished=state.finished | ends.any(1),
         logw=state.logw + torch.where(keep, full_increments, torch.zeros_like(full_increments)).sum(1),
         log_twist=state.log_twist,
         log_phi=state.log_phi,
@@ -249,6 +284,38 @@ def complete_at_budget(plan, tokens: torch.Tensor, finished: torch.Tensor, logw:
     return logw.masked_fill(~complete, -math.inf)
 
 
+def conclude(plan, state: Particles, log_z: float, generator, ended_by_eos: torch.Tensor | None = None):
+    """The end of a run: final weights, log Z_hat and the returned particle.
+
+    The last twist comes off (the final weights target pi itself), the token budget's
+    completeness applies (`complete_at_budget`), log Z_hat gains logsumexp(log w) - log N of the
+    final weights, and the returned particle is drawn ∝ final weights. When no particle holds a
+    complete string an incomplete one is drawn ∝ the weights before the completeness check,
+    with log Z_hat = -inf and `complete` False.
+
+    Args:
+        log_z: log Z_hat accumulated by the resamplings.
+        ended_by_eos: [N] bool, particles whose string ended with EOS (None: the finished ones);
+            a particle finished otherwise (a stop string) is checked for completeness like one
+            cut by the budget.
+
+    Returns:
+        (final log weights [N] float64, log Z_hat, chosen index, complete), or None when every
+        weight is zero.
+    """
+    eos = plan.target.vocabulary.eos_token_id
+    logw = state.logw - state.log_twist
+    if not torch.isfinite(logw).any():
+        return None
+    ended = state.finished if ended_by_eos is None else ended_by_eos
+    final_logw = complete_at_budget(plan, state.tokens, ended, logw, state.log_phi, eos)
+    if not torch.isfinite(final_logw).any():
+        chosen = int(torch.multinomial(normalised_weights(logw), 1, generator=generator))
+        return logw, -math.inf, chosen, False
+    chosen = int(torch.multinomial(normalised_weights(final_logw), 1, generator=generator))
+    return final_logw, log_z + log_mean_weight(final_logw), chosen, True
+
+
 def run_smc(plan, prompt: list[int], generator: torch.Generator, on_cycle=None) -> Result:
     """Run an importance-verified StepPlan (SMC-SD; K = 0 is SMC with the target as proposal).
 
@@ -322,17 +389,10 @@ def run_smc(plan, prompt: list[int], generator: torch.Generator, on_cycle=None) 
             if on_cycle is not None:
                 on_cycle(cycles[-1], state.tokens.tolist())
 
-        # the last twist comes off: the final weights target pi itself
-        logw = state.logw - state.log_twist
-        if not torch.isfinite(logw).any():
-            raise AllParticlesDiedError("every particle reached weight zero", result(logw, -math.inf, 0))
-        final_logw = complete_at_budget(plan, state.tokens, state.finished, logw, state.log_phi, eos)
-        if not torch.isfinite(final_logw).any():
-            # no particle holds a complete string: return an incomplete one, marked as such
-            chosen = int(torch.multinomial(normalised_weights(logw), 1, generator=generator))
-            return result(logw, -math.inf, chosen, complete=False)
-        chosen = int(torch.multinomial(normalised_weights(final_logw), 1, generator=generator))
-        return result(final_logw, log_z + log_mean_weight(final_logw), chosen)
+        outcome = conclude(plan, state, log_z, generator)
+        if outcome is None:
+            raise AllParticlesDiedError("every particle reached weight zero", result(state.logw - state.log_twist, -math.inf, 0))
+        return result(*outcome)
     finally:
         target_rows.close()
         if draft_rows is not None:

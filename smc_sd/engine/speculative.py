@@ -21,7 +21,7 @@ import torch
 from smc_sd.engine.masking import apply_mask, masked_logprobs
 from smc_sd.engine.result import AllParticlesDiedError, CycleStats, Result, kv_memory
 from smc_sd.engine.sampling import gather_last, sample_tokens, tempered_logprobs
-from smc_sd.engine.drafting import block_masks, draft_block, first_token_mask, trim_at_eos
+from smc_sd.engine.drafting import DraftBlock, block_masks, draft_block, first_token_mask, trim_at_eos
 
 
 def accept_or_resample(
@@ -68,6 +68,57 @@ def residual_token(logp: torch.Tensor, logq: torch.Tensor, generator: torch.Gene
     return int(sample_tokens(residual.log()[None], generator))
 
 
+def first_token(plan, first_logits: torch.Tensor, first_mask: torch.Tensor | None, generator: torch.Generator) -> int | None:
+    """The sequence's first token, drawn from p~ = p_T m / Z_p after the prompt.
+
+    Args:
+        first_logits: [V] float32 target logits after the prompt.
+        first_mask: [V] bool constraint mask of the first token, or None.
+
+    Returns:
+        The token id, or None when p~ has no mass.
+    """
+    # [1, V]: p~ of the first token
+    first_logp = apply_mask(tempered_logprobs(first_logits, plan.target_temperature)[None], first_mask)
+    if not torch.isfinite(first_logp).any():
+        return None
+    return int(sample_tokens(first_logp, generator))
+
+
+def verify_drafts(plan, draft: DraftBlock, target_logits: torch.Tensor, mask_at, generator: torch.Generator, budget: int) -> tuple[int, int, bool]:
+    """One sequence's accept/reject step on its drafted block.
+
+    With constraints p and q are both masked and renormalised (p~, q~); where q~ does not exist
+    the rule (with q~ = 0) rejects and emits from p~: the block ends there, exactly as if all
+    drafts up to it were followed by a bonus.
+
+    Args:
+        draft: the cycle's DraftBlock of one sequence ([1, K] tokens).
+        target_logits: [K + 1, V] float32 target logits after the last emitted token and after
+            each drafted token.
+        mask_at: the cycle's masks, or None.
+        budget: tokens the sequence may still generate.
+
+    Returns:
+        (accepted, emitted, dead): `accept_or_resample`'s pair, and whether the position of the
+        emitted token lies within the budget and p~ has no mass there (no valid continuation).
+    """
+    drafted, logq = draft.tokens[0], draft.logq[0]
+    # [K + 1, V]: log p_T after the last emitted token and after each drafted token
+    logp = tempered_logprobs(target_logits, plan.target_temperature)
+    no_target_mass = None
+    if mask_at is not None:
+        bonus_mask, _ = mask_at(draft.tokens)
+        # [K + 1, V]: p~ = p m / Z_p at every position; [K + 1] bool, positions with Z_p = 0
+        logp, no_target_mass = masked_logprobs(logp, torch.cat([draft.masks[0], bonus_mask], 0))
+        no_draft_mass = draft.dead[0].nonzero().flatten()
+        if no_draft_mass.numel() > 0:
+            drafted, logq = drafted[: int(no_draft_mass[0])], logq[: int(no_draft_mass[0])]
+    accepted, emitted = accept_or_resample(drafted, logq, logp[: drafted.numel() + 1], generator)
+    dead = no_target_mass is not None and accepted < budget and bool(no_target_mass[accepted])
+    return accepted, emitted, dead
+
+
 def run_speculative(plan, prompt: list[int], generator: torch.Generator, on_cycle=None) -> Result:
     """Run an accept/reject StepPlan: one sequence, K drafted tokens per cycle."""
     start = time.perf_counter()
@@ -99,11 +150,10 @@ def run_speculative(plan, prompt: list[int], generator: torch.Generator, on_cycl
                 complete=plan.masker is None or eos in tokens or bool(plan.masker.complete([tokens])[0]),
             )
 
-        # [1, V]: p~ of the first token
-        first_logp = apply_mask(tempered_logprobs(first_logits, plan.target_temperature)[None], first_mask)
-        if not torch.isfinite(first_logp).any():
+        first = first_token(plan, first_logits, first_mask, generator)
+        if first is None:
             raise AllParticlesDiedError("no first token has nonzero probability under the target (and its constraints, if any)", result())
-        tokens.append(int(sample_tokens(first_logp, generator)))
+        tokens.append(first)
         # tokens of the prefix the draft has not read yet
         draft_unseen = [tokens[0]]
         while len(tokens) < plan.max_tokens and tokens[-1] != eos:
@@ -111,24 +161,12 @@ def run_speculative(plan, prompt: list[int], generator: torch.Generator, on_cycl
             target_length_before = target_rows.length
             mask_at = None if plan.masker is None else block_masks(plan.masker, [tokens], torch.ones(1, dtype=torch.bool), eos)
             draft = draft_block(draft_rows, torch.tensor([draft_unseen]), k, plan.draft_temperature, generator, mask_at)
-            drafted, logq = draft.tokens[0], draft.logq[0]
-            # [K + 1, V]: log p_T after the last emitted token and after each drafted token
-            logp = tempered_logprobs(
-                target_rows.extend(torch.tensor([[tokens[-1]] + drafted.tolist()]))[0], plan.target_temperature
-            )
-            if mask_at is not None:
-                bonus_mask, _ = mask_at(draft.tokens)
-                # [K + 1, V]: p~ = p m / Z_p at every position; [K + 1] bool, positions with Z_p = 0
-                logp, no_target_mass = masked_logprobs(logp, torch.cat([draft.masks[0], bonus_mask], 0))
-                # where q~ does not exist the rule (with q~ = 0) rejects and emits from p~: the
-                # block ends there, exactly as if all drafts up to it were followed by a bonus
-                no_draft_mass = draft.dead[0].nonzero().flatten()
-                if no_draft_mass.numel() > 0:
-                    drafted, logq = drafted[: int(no_draft_mass[0])], logq[: int(no_draft_mass[0])]
-            accepted, emitted = accept_or_resample(drafted, logq, logp[: drafted.numel() + 1], generator)
-            # a position within the budget whose p~ does not exist: no valid continuation
-            if mask_at is not None and accepted < plan.max_tokens - len(tokens) and bool(no_target_mass[accepted]):
+            # [K + 1, V]: target logits after the last emitted token and after each drafted token
+            target_logits = target_rows.extend(torch.tensor([[tokens[-1]] + draft.tokens[0].tolist()]))[0]
+            accepted, emitted, dead = verify_drafts(plan, draft, target_logits, mask_at, generator, plan.max_tokens - len(tokens))
+            if dead:
                 raise AllParticlesDiedError("the constraints left the sequence no token of nonzero probability", result())
+            drafted = draft.tokens[0]
             # the target keeps the last emitted token and the accepted drafts
             target_rows.truncate(target_length_before + 1 + accepted)
             # the draft read draft_unseen and drafted[:K-1]; keep what is still on the path
