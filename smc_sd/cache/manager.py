@@ -17,13 +17,25 @@ model (a dry run) and measure exact block counts.
   indexed one (same parent, same tokens) points at that one and frees its own.
 - truncate / release: blocks past the kept length return their references.
 
-Invariants of a `BlockTables` (checked by `check_invariants` with the pool's and trie's own):
+A block that a truncation leaves partial stays indexed: nothing has written it, so its KV is
+still its key's, the truncated row reads only its first positions (whose KV is the row's own),
+and other rows may hold it full. The row stops pointing at it at its next append, the only
+moment its contents would part from the key's: it copies a shared block on write, or, as the
+block's only holder, drops it from the index and writes in place. When the row fills the block
+again, commit merges it into the indexed block with the same key, if there is one.
+
+Invariants of a `BlockTables` (checked by `check_invariants` with the pool's and trie's own,
+between operations, i.e. after each append's commit):
 - `blocks` is [B, ceil(length / block_size)] and `tokens` is [B, length];
 - every listed block is live; for every block the number of listings across all open tables is
   at most its count (equal when this is the only user of the pool);
 - an indexed block listed at column j > 0 has the block at column j - 1 as its trie parent;
-- an indexed block listed at column j is full in that row, and its key's tokens are the row's
-  tokens j·block_size .. (j + 1)·block_size - 1 (a truncation that leaves it partial drops it).
+- a row listing an indexed block at column j holds there the first tokens of its key (all of
+  them when the block is full in that row);
+- one block per full prefix, across the tables given: a block listed at column j of a row of
+  length >= (j + 1)·block_size is indexed; the rows whose first (j + 1)·block_size tokens are
+  equal list one block at column j; and a block is listed at one column only, under prefixes of
+  one another (the rows holding it partially hold a prefix of what the others hold).
 """
 
 from __future__ import annotations
@@ -180,10 +192,8 @@ class KVCacheManager:
         """Keep the first `length` positions of every row; later blocks return their references."""
         self._check_open(table)
         kept = math.ceil(length / self.block_size)
+        # a last kept block left partial stays indexed until a row writes into it (`append`)
         self.trie.remove(self.pool.release(table.blocks[:, kept:]))
-        if length % self.block_size:
-            # the last kept blocks are partial now: their full keys no longer describe these rows
-            self.trie.remove(table.blocks[:, kept - 1].unique())
         table.blocks, table.tokens = table.blocks[:, :kept].clone(), table.tokens[:, :length].clone()
 
     def release(self, table: BlockTables) -> None:
@@ -224,10 +234,33 @@ class KVCacheManager:
                     continue
                 if j > 0:
                     assert self.trie.parent(block) == int(blocks[b, j - 1]), f"row {b} column {j}: trie parent differs"
-                tokens = tuple(table.tokens[b, j * bs : (j + 1) * bs].tolist())
-                assert tokens == self.trie.tokens(block), f"row {b} column {j}: indexed under other tokens or partial"
+                held = tuple(table.tokens[b, j * bs : (j + 1) * bs].tolist())
+                assert self.trie.tokens(block)[: len(held)] == held, f"row {b} column {j}: indexed under other tokens"
         for block in listings.nonzero().flatten().tolist():
             assert self.pool.count(block) >= int(listings[block]), f"block {block} listed beyond its count"
+        self._check_one_block_per_prefix(tables)
+
+    def _check_one_block_per_prefix(self, tables: tuple[BlockTables, ...]) -> None:
+        """Assert the module's last invariant: full prefixes and their blocks are one to one."""
+        bs = self.block_size
+        # full prefix -> the block holding its last block_size positions
+        block_of: dict[tuple[int, ...], int] = {}
+        # block -> (its column, the longest prefix through it listed so far)
+        path_of: dict[int, tuple[int, tuple[int, ...]]] = {}
+        for t, table in enumerate(tables):
+            if table.closed:
+                continue
+            for b, (row, tokens) in enumerate(zip(table.blocks.tolist(), table.tokens.tolist())):
+                for j, block in enumerate(row):
+                    where, prefix = f"table {t} row {b} column {j}", tuple(tokens[: (j + 1) * bs])
+                    if len(prefix) == (j + 1) * bs:
+                        first = block_of.setdefault(prefix, block)
+                        assert first == block, f"{where}: one full prefix in two blocks, {first} and {block}"
+                        assert block in self.trie, f"{where}: full block {block} is not in the trie"
+                    column, longest = path_of.setdefault(block, (j, prefix))
+                    short, long = sorted((prefix, longest), key=len)
+                    assert column == j and long[: len(short)] == short, f"{where}: block {block} holds two prefixes"
+                    path_of[block] = (j, long)
 
     def _record_peak(self, table: BlockTables) -> None:
         table.peak_live_blocks = max(table.peak_live_blocks, self.pool.live)

@@ -6,7 +6,8 @@ paths whose full blocks have equal keys hold equal KV, and the second can point 
 block instead of keeping its own: equal prefixes share blocks even when they arose separately.
 
 Only full blocks are indexed (a partial block still changes). A block leaves the index when it is
-freed or when its only holder is about to write into it (after a truncation made it partial).
+freed or when its only holder is about to write into it (after a truncation made it partial);
+until then a row that a truncation left holding its first positions reads it like any other.
 
 Invariants (`check_invariants`):
 - `node[block] = (parent, tokens)` exactly when `child[(parent, tokens)] = block`;
