@@ -5,6 +5,9 @@ raw ([..., V] float32) with an absolute tolerance, so `atol` must cover the back
 noise between batched and unbatched forwards. For SmolLM2-135M in fp32 on CPU that noise is up to
 5e-5 on natural text and 1.3e-4 on random token ids, whose logits reach |34|.
 
+The `assert_ragged_*` laws are the same laws over rows of different lengths (rows of several
+prompts made by `join`, rolled back by `truncate_rows`), for backends whose rows may differ.
+
 Dimension letters: B rows, T continuation tokens, V vocabulary.
 """
 
@@ -12,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from smc_sd.backends.base import LanguageModel
+from smc_sd.backends.base import LanguageModel, Sequences
 
 
 def assert_logits_valid(logits: torch.Tensor, what: str = "logits") -> None:
@@ -163,6 +166,140 @@ def assert_truncate_consistent(
     resumed = rows.extend(continuation_rows[:, kept:])
     rows.close()
     _assert_close(resumed, reference[:, kept:], atol, f"extend after truncate to {kept} kept")
+
+
+def open_ragged(lm: LanguageModel, prompts: list[list[int]], atol: float) -> Sequences:
+    """Rows holding prompts[b]: the first opened, each other joined as one more row.
+
+    Law: join(prompt, 1) returns the logits a fresh open(prompt, 1) returns, and `lengths`
+    counts every row's own tokens.
+
+    Args:
+        prompts: B >= 1 prompts of any lengths (each at least one token).
+    """
+    rows, _ = lm.open(prompts[0], 1)
+    for prompt in prompts[1:]:
+        joined = rows.join(prompt, 1)
+        fresh_rows, fresh = lm.open(prompt, 1)
+        fresh_rows.close()
+        _assert_close(joined, fresh, atol, f"join({len(prompt)} tokens) vs a fresh open")
+    if rows.lengths.tolist() != [len(p) for p in prompts]:
+        raise AssertionError(f"lengths are {rows.lengths.tolist()} after joining prompts of {[len(p) for p in prompts]}")
+    return rows
+
+
+def assert_ragged_extend_matches_full_forward(
+    lm: LanguageModel, prompts: list[list[int]], continuation_rows: torch.Tensor, atol: float
+) -> None:
+    """Law: over rows of different lengths, extend is each row's autoregressive factorisation.
+
+    With rows b holding prompts[b] (`open_ragged`) and the continuation appended in chunks of 1,
+    3 and the rest, extend logits[b, t] == open(prompts[b] + continuation_rows[b, : t + 1], 1).
+
+    Args:
+        prompts: B prompts of different lengths.
+        continuation_rows: [B, T] int64, T >= 1.
+        atol: the largest allowed absolute difference of any logit.
+    """
+    continuation_rows = torch.as_tensor(continuation_rows, dtype=torch.long)
+    batch, steps = continuation_rows.shape
+    rows = open_ragged(lm, prompts, atol)
+    chunks, start = [], 0
+    for size in (1, 3, steps):
+        stop = min(start + size, steps)
+        if stop > start:
+            logits = rows.extend(continuation_rows[:, start:stop])
+            _assert_logits_shape(logits, (batch, stop - start, lm.vocabulary.size), "extend")
+            chunks.append(logits)
+        start = stop
+    # [B, T, V]
+    chunked = torch.cat(chunks, dim=1)
+    if rows.lengths.tolist() != [len(p) + steps for p in prompts]:
+        raise AssertionError(f"lengths are {rows.lengths.tolist()} after extending by {steps}")
+    rows.close()
+    for b, prompt in enumerate(prompts):
+        for t in range(steps):
+            _assert_close(chunked[b, t], fresh_logits(lm, prompt + continuation_rows[b, : t + 1].tolist()), atol, f"ragged extend row {b} column {t}")
+
+
+def assert_ragged_select_consistent(
+    lm: LanguageModel, prompts: list[list[int]], continuation_rows: torch.Tensor, ancestors: torch.Tensor, atol: float
+) -> None:
+    """Law: over rows of different lengths, select(a) then extend equals extending old rows a[i].
+
+    As `assert_select_consistent`, with rows b holding prompts[b]; the selected rows also carry
+    their ancestors' lengths.
+
+    Args:
+        prompts: B prompts of different lengths.
+        continuation_rows: [B, T] int64, T >= 2.
+        ancestors: [B'] int64 in 0 .. B-1.
+    """
+    continuation_rows = torch.as_tensor(continuation_rows, dtype=torch.long)
+    ancestors = torch.as_tensor(ancestors, dtype=torch.long)
+    half = continuation_rows.shape[1] // 2
+    if half < 1:
+        raise ValueError(f"the continuation needs at least 2 tokens, got {continuation_rows.shape[1]}")
+    before, after = continuation_rows[:, :half], continuation_rows[:, half:]
+    reference_rows = open_ragged(lm, prompts, atol)
+    reference_rows.extend(before)
+    # [B, T - half, V]
+    reference = reference_rows.extend(after)
+    reference_rows.close()
+
+    rows = open_ragged(lm, prompts, atol)
+    rows.extend(before)
+    rows.select(ancestors)
+    expected = [len(prompts[a]) + half for a in ancestors.tolist()]
+    if rows.lengths.tolist() != expected:
+        raise AssertionError(f"lengths after select are {rows.lengths.tolist()}, expected {expected}")
+    # [B', T - half, V]
+    selected = rows.extend(after[ancestors])
+    rows.close()
+    _assert_close(selected, reference[ancestors.to(reference.device)], atol, "ragged extend after select")
+
+
+def assert_ragged_truncate_consistent(
+    lm: LanguageModel, prompts: list[list[int]], continuation_rows: torch.Tensor, lengths: list[int], atol: float
+) -> None:
+    """Law: truncate_rows(n) then extend equals never having appended past n, row by row.
+
+    With x_b = prompts[b] + continuation_rows[b]: extend the continuation and then other tokens,
+    truncate_rows(lengths), and extend every row by the next L = min_b(|x_b| - lengths[b]) tokens
+    of its own x_b; row b, column l must give the logits of a fresh open(x_b[: lengths[b] + l + 1]).
+    A length may cut into the prompt, down to 0 (an empty row resumes at position 0).
+
+    Args:
+        prompts: B prompts of different lengths.
+        continuation_rows: [B, T] int64.
+        lengths: B lengths, 0 <= lengths[b] < |x_b|.
+    """
+    continuation_rows = torch.as_tensor(continuation_rows, dtype=torch.long)
+    sequences = [p + c for p, c in zip(prompts, continuation_rows.tolist())]
+    if not all(0 <= n < len(x) for n, x in zip(lengths, sequences)):
+        raise ValueError(f"lengths must lie in 0 .. |x_b| - 1, got {lengths}")
+    rows = open_ragged(lm, prompts, atol)
+    rows.extend(continuation_rows)
+    # tokens that must be forgotten: the continuation again, reversed
+    rows.extend(continuation_rows.flip(1))
+    rows.truncate_rows(torch.tensor(lengths))
+    if rows.lengths.tolist() != list(lengths):
+        raise AssertionError(f"lengths are {rows.lengths.tolist()} after truncate_rows({list(lengths)})")
+    steps = min(len(x) - n for n, x in zip(lengths, sequences))
+    resume = torch.tensor([x[n : n + steps] for n, x in zip(lengths, sequences)])
+    # [B, L, V]
+    resumed = rows.extend(resume)
+    rows.close()
+    for b, (n, x) in enumerate(zip(lengths, sequences)):
+        for t in range(steps):
+            _assert_close(resumed[b, t], fresh_logits(lm, x[: n + t + 1]), atol, f"extend after truncate_rows, row {b} column {t}")
+
+
+def fresh_logits(lm: LanguageModel, prefix: list[int]) -> torch.Tensor:
+    """[V] next-token logits of a fresh open over `prefix`."""
+    rows, logits = lm.open(prefix, 1)
+    rows.close()
+    return logits
 
 
 def _assert_logits_shape(logits: torch.Tensor, shape: tuple[int, ...], what: str) -> None:

@@ -1,8 +1,12 @@
 """The language-model interface every backend implements.
 
 A backend owns one model. `LanguageModel.open(prompt, batch)` runs the prompt's forward once and
-returns a `Sequences`: `batch` rows that all start with the prompt and always have equal lengths
-(SMC-SD advances every particle by the same number of tokens per cycle, so no padding is needed).
+returns a `Sequences`: `batch` rows that all start with the prompt. Rows may come to differ in
+length: `join` adds rows of another prompt (a request joining a batch) and `truncate_rows` rolls
+each row back to its own length; `extend` then appends at each row's own positions. Backends
+that keep rows of one length only (the copy and static HF caches, vllm, dry_run, feature
+drafts) refuse both with
+NotImplementedError (`truncate_rows` to one common length still works there).
 
 Dimension letters (see `smc_sd.engine`): B rows, L new tokens, V vocabulary.
 
@@ -15,9 +19,11 @@ decoding's rejection).
 
 Invariants every implementation keeps (checked by `smc_sd.testing`):
 - extend is the autoregressive factorisation: logits after token t equal those a fresh forward
-  over the whole row would give at that position;
+  over the whole row would give at that position, whatever the other rows' lengths;
 - select(a) then extend equals extending the rows a[i] of the old batch;
-- truncate(n) then extend equals never having appended past n.
+- truncate(n) (or truncate_rows(n)) then extend equals never having appended past n;
+- join(prompt, c) returns the logits a fresh open(prompt, 1) returns and adds c rows that behave
+  as that open's rows.
 """
 
 from __future__ import annotations
@@ -52,7 +58,7 @@ class Vocabulary:
 
 
 class Sequences(abc.ABC):
-    """B equal-length token sequences held in one model's KV cache."""
+    """B token sequences held in one model's KV cache."""
 
     @property
     @abc.abstractmethod
@@ -62,11 +68,20 @@ class Sequences(abc.ABC):
     @property
     @abc.abstractmethod
     def length(self) -> int:
-        """Tokens per row held in the cache (prompt included)."""
+        """Tokens per row held in the cache (prompt included), when every row has that many.
+
+        Raises:
+            ValueError: when rows differ in length (read `lengths`).
+        """
+
+    @property
+    def lengths(self) -> torch.Tensor:
+        """[B] int64 (CPU) tokens held by each row (prompt included)."""
+        return torch.full((self.batch_size,), self.length, dtype=torch.int64)
 
     @abc.abstractmethod
     def extend(self, tokens: torch.Tensor) -> torch.Tensor:
-        """Append tokens to every row.
+        """Append tokens to every row, row b at its own positions lengths[b] .. lengths[b] + L - 1.
 
         Args:
             tokens: [B, L] int64, L >= 1.
@@ -74,6 +89,39 @@ class Sequences(abc.ABC):
         Returns:
             [B, L, V] float32 logits; row b, column l is the next-token logits after tokens[b, l].
         """
+
+    def join(self, prompt: list[int], count: int) -> torch.Tensor:
+        """Add `count` rows holding `prompt` after the current rows (a request joins the batch).
+
+        Args:
+            prompt: token ids, at least one.
+            count: rows to add, >= 1; they become rows B .. B + count - 1.
+
+        Returns:
+            [V] float32 next-token logits after the prompt.
+
+        Raises:
+            NotImplementedError: for a backend whose rows keep one length.
+        """
+        raise NotImplementedError(f"{type(self).__name__} keeps rows of one length only: it cannot join rows of another prompt")
+
+    def truncate_rows(self, lengths: torch.Tensor) -> None:
+        """Roll row b back to its first lengths[b] tokens (0 <= lengths[b] <= self.lengths[b]).
+
+        A row of length 0 holds nothing; its next `extend` starts at position 0. This default
+        serves backends whose rows keep one length: equal lengths become one `truncate`.
+
+        Args:
+            lengths: [B] int64.
+
+        Raises:
+            NotImplementedError: for such a backend, when the lengths differ.
+        """
+        lengths = check_truncate_rows(lengths, self.lengths)
+        if bool((lengths != lengths[0]).any()):
+            raise NotImplementedError(f"{type(self).__name__} keeps rows of one length only: it cannot truncate rows to different lengths")
+        if int(lengths[0]) != self.length:
+            self.truncate(int(lengths[0]))
 
     @abc.abstractmethod
     def select(self, rows: torch.Tensor) -> None:
@@ -143,6 +191,33 @@ def check_truncate(length: int, current: int) -> None:
     """Refuse a `truncate` length outside 1 .. current."""
     if not 1 <= length <= current:
         raise ValueError(f"truncate length must be in 1 .. {current}, got {length}")
+
+
+def check_join(prompt: list[int], count: int, max_length: int) -> None:
+    """Refuse a `join` with an empty prompt, count < 1 or a prompt longer than the context.
+
+    Raises:
+        ValueError: on an empty prompt or count < 1.
+        ContextOverflowError: if the prompt is longer than `max_length`.
+    """
+    if count < 1:
+        raise ValueError(f"a join adds at least one row, got count {count}")
+    check_open(prompt, count, max_length)
+
+
+def check_truncate_rows(lengths: torch.Tensor, current: torch.Tensor) -> torch.Tensor:
+    """Refuse a `truncate_rows` argument that is not [B] integers in 0 .. current[b].
+
+    Returns:
+        The lengths as [B] int64 on the CPU.
+    """
+    lengths = torch.as_tensor(lengths)
+    if lengths.shape != current.shape or lengths.is_floating_point() or lengths.dtype == torch.bool:
+        raise ValueError(f"lengths must be {tuple(current.shape)} integers, got {tuple(lengths.shape)} {lengths.dtype}")
+    lengths = lengths.to(device="cpu", dtype=torch.int64)
+    if bool(((lengths < 0) | (lengths > current)).any()):
+        raise ValueError(f"truncate lengths must lie in 0 .. the rows' lengths {current.tolist()}, got {lengths.tolist()}")
+    return lengths
 
 
 class LanguageModel(abc.ABC):

@@ -14,7 +14,7 @@ from typing import Callable
 
 import torch
 
-from smc_sd.backends.base import LanguageModel, Sequences, Vocabulary
+from smc_sd.backends.base import LanguageModel, Sequences, Vocabulary, check_join, check_truncate_rows
 
 LogitsFn = Callable[[tuple[int, ...]], torch.Tensor]
 
@@ -139,7 +139,7 @@ class ToyLM(LanguageModel):
 
 
 class ToySequences(Sequences):
-    """Rows of a ToyLM: plain token lists (logits are looked up, nothing is cached)."""
+    """Rows of a ToyLM: plain token lists, of any lengths (logits are looked up, nothing is cached)."""
 
     def __init__(self, lm: ToyLM, rows: list[list[int]]):
         self._lm = lm
@@ -151,7 +151,13 @@ class ToySequences(Sequences):
 
     @property
     def length(self) -> int:
+        if len({len(row) for row in self._rows}) > 1:
+            raise ValueError("these rows differ in length; read lengths")
         return len(self._rows[0])
+
+    @property
+    def lengths(self) -> torch.Tensor:
+        return torch.tensor([len(row) for row in self._rows], dtype=torch.int64)
 
     def extend(self, tokens: torch.Tensor) -> torch.Tensor:
         if tokens.dim() != 2 or tokens.shape[0] != len(self._rows) or tokens.shape[1] < 1:
@@ -175,3 +181,12 @@ class ToySequences(Sequences):
             raise ValueError(f"cannot truncate rows of length {self.length} to {length}")
         self._rows = [row[:length] for row in self._rows]
 
+    def join(self, prompt: list[int], count: int) -> torch.Tensor:
+        check_join(prompt, count, self._lm.max_length)
+        self._lm.forward_calls += 1
+        self._rows += [list(prompt) for _ in range(count)]
+        return self._lm.logits(tuple(prompt))
+
+    def truncate_rows(self, lengths: torch.Tensor) -> None:
+        lengths = check_truncate_rows(lengths, self.lengths)
+        self._rows = [row[:n] for row, n in zip(self._rows, lengths.tolist())]
