@@ -146,3 +146,35 @@ def test_smc_sd_refuses_temperature_zero():
         smc_speculative.program(target, draft, temperature=0.0).run(PROMPT, Schedule())
     with pytest.raises(ValueError, match="draft temperature > 0"):
         smc_speculative.program(target, draft, draft_temperature=0.0).run(PROMPT, Schedule())
+
+
+def masked_greedy_completion(lm: ToyLM, allowed, max_tokens: int) -> list[int]:
+    """The argmax over the allowed tokens at every step (allowed(prefix) -> [V] bool)."""
+    out: list[int] = []
+    while len(out) < max_tokens and (not out or out[-1] != lm.vocabulary.eos_token_id):
+        logits = lm.logits(tuple(PROMPT + out)).masked_fill(~allowed(tuple(out)), -math.inf)
+        out.append(int(logits.argmax()))
+    return out
+
+
+def test_temperature_zero_under_a_constraint_is_the_masked_argmax_chain():
+    target, draft = target_and_draft(noise=2.0)
+    v, eos = target.vocabulary.size, target.vocabulary.eos_token_id
+    # forbid the token the unconstrained greedy chain starts with, everywhere
+    banned = int(target.logits(tuple(PROMPT)).argmax())
+    assert banned != eos
+    no_banned = PredicateConstraint(lambda x: banned not in x, lambda x: banned not in x, v, eos)
+
+    def allowed(prefix):
+        return torch.tensor([t != banned for t in range(v)])
+
+    greedy = masked_greedy_completion(target, allowed, 6)
+    assert banned not in greedy and greedy != greedy_completion(target, 6)
+    programs = [
+        autoregressive.program(target, temperature=0.0, constraints=(no_banned,)),
+        mask_at_verify.program(target, draft, constraints=(no_banned,), temperature=0.0, draft_len=3),
+        mask_at_verify.program(target, draft, constraints=(no_banned,), temperature=0.0, draft_temperature=0.0, draft_len=3),
+    ]
+    for program in programs:
+        for seed in range(10):
+            assert program.run(PROMPT, Schedule(1, max_tokens=6), seed=seed).tokens == greedy, program.name

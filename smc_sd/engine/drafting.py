@@ -67,14 +67,15 @@ class BlockDrafter:
         Returns:
             [N] int64 tokens.
         """
-        # [N, V]: next-token distribution after the last fed token
-        logq_next = tempered_logprobs(logits, self.temperature)
-        if self.mask_at is not None:
+        if self.mask_at is None:
+            # [N, V]: next-token distribution after the last fed token
+            logq_next = tempered_logprobs(logits, self.temperature)
+        else:
             # [N, j]: the tokens drafted so far
             so_far = torch.stack(self.drafted, 1) if self.drafted else torch.empty(self.n, 0, dtype=torch.long)
             mask, _ = self.mask_at(so_far)
-            # rows that are not live have all-one masks, so only live rows can lack mass
-            logq_next, no_mass = masked_logprobs(logq_next, mask)
+            # [N, V] q~; rows that are not live have all-one masks, so only live rows can lack mass
+            logq_next, no_mass = masked_logprobs(logits, self.temperature, mask)
             self.masks.append(mask)
             self.dead.append(no_mass)
         token = sample_tokens(logq_next, self.generator)

@@ -13,37 +13,31 @@ from __future__ import annotations
 
 import torch
 
-
-def apply_mask(scores: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-    """scores + log m: -inf where the mask is zero (unchanged when mask is None).
-
-    Args:
-        scores: [..., V] float log-weights.
-        mask: [..., V] bool or None.
-    """
-    if mask is None:
-        return scores
-    return scores.masked_fill(~mask, float("-inf"))
+from smc_sd.engine.sampling import tempered_logprobs
 
 
-def masked_logprobs(logprobs: torch.Tensor, mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """log q~ = log q + log m - log Z_q row by row, and the rows where Z_q = 0.
+def masked_logprobs(logits: torch.Tensor, temperature: float, mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """log q~ = log q + log m - log Z_q row by row, q = softmax(logits / T), and the rows where Z_q = 0.
 
+    The mask is applied before the temperature, so at T = 0 q~ is the point mass on the allowed
+    argmax (greedy decoding under a constraint), not the unconstrained argmax masked away.
     Z_q = sum_v q(v) m(v) is zero when the mask allows no token (a dead end) and also when every
     token it allows has probability zero. Such rows have no masked distribution: they are
     returned unmasked, so that a token can still be drawn to keep shapes static, and flagged, so
     that the caller gives them weight zero.
 
     Args:
-        logprobs: [N, V] float32 log q.
+        logits: [N, V] float32 raw logits.
+        temperature: T >= 0.
         mask: [N, V] bool or None.
 
     Returns:
-        ([N, V] float32 log q~, [N] bool rows with Z_q = 0), or (logprobs, None) when mask is None.
+        ([N, V] float32 log q~, [N] bool rows with Z_q = 0), or (log q, None) when mask is None.
     """
+    logprobs = tempered_logprobs(logits, temperature)
     if mask is None:
         return logprobs, None
-    masked = apply_mask(logprobs, mask)
+    masked = tempered_logprobs(logits, temperature, mask)
     empty = ~torch.isfinite(masked).any(-1)
     # log_softmax of an all -inf row is NaN: such rows stay unmasked
     return torch.where(empty[:, None], logprobs, torch.log_softmax(masked, -1)), empty

@@ -9,24 +9,34 @@ from __future__ import annotations
 import torch
 
 
-def tempered_logprobs(logits: torch.Tensor, temperature: float) -> torch.Tensor:
-    """log softmax(logits / T) along the last axis; at T = 0 its limit, greedy decoding.
+def tempered_logprobs(logits: torch.Tensor, temperature: float, mask: torch.Tensor | None = None) -> torch.Tensor:
+    """log softmax(logits / T) + log m along the last axis; at T = 0 its limit, greedy decoding.
 
-    As T -> 0, softmax(logits / T) tends to the point mass on the argmax (ties split evenly); at
-    T = 0 this returns the point mass on the first maximal entry: log p = 0 there, -inf elsewhere.
+    With a constraint mask m the result is log p_T(v) where m(v), -inf elsewhere: the masked
+    target, unnormalised (its logsumexp is log Z = log sum_v p_T(v) m(v)). As T -> 0 the masked
+    distribution renormalised, p_T m / Z, tends to the point mass on the allowed argmax, so at
+    T = 0 this returns that point mass (log p = 0 on the first maximal allowed entry, -inf
+    elsewhere): greedy decoding under a constraint masks first, then takes the argmax. A row
+    whose allowed entries are all -inf has no mass at any T and comes back all -inf.
 
     Args:
         logits: [..., V] float32 raw logits.
         temperature: T >= 0.
+        mask: [..., V] bool allowed tokens, or None.
 
     Returns:
         [..., V] float32 log-probabilities.
     """
     logits = logits.float()
     if temperature == 0:
-        greedy = torch.full_like(logits, float("-inf"))
-        return greedy.scatter_(-1, logits.argmax(-1, keepdim=True), 0.0)
-    return torch.log_softmax(logits / temperature, dim=-1)
+        if mask is not None:
+            logits = logits.masked_fill(~mask, float("-inf"))
+        best = logits.argmax(-1, keepdim=True)
+        greedy = torch.full_like(logits, float("-inf")).scatter_(-1, best, 0.0)
+        # a row with no finite allowed entry has no argmax to put the mass on
+        return greedy.masked_fill(~torch.isfinite(logits.gather(-1, best)), float("-inf"))
+    logprobs = torch.log_softmax(logits / temperature, dim=-1)
+    return logprobs if mask is None else logprobs.masked_fill(~mask, float("-inf"))
 
 
 def sample_tokens(scores: torch.Tensor, generator: torch.Generator) -> torch.Tensor:

@@ -33,7 +33,6 @@ import torch
 
 from smc_sd.backends.base import Sequences
 from smc_sd.engine.drafting import DraftBlock, block_masks, draft_block, first_token_mask, trim_at_eos
-from smc_sd.engine.masking import apply_mask
 from smc_sd.engine.resampling import effective_sample_size, log_mean_weight, normalised_weights, resample
 from smc_sd.engine.rescoring import rescore, retwist
 from smc_sd.engine.result import AllParticlesDiedError, CycleStats, Result, kv_memory
@@ -84,7 +83,7 @@ def first_particles(plan, first_logits: torch.Tensor, first_mask: torch.Tensor |
     """
     n, eos = plan.particles, plan.target.vocabulary.eos_token_id
     # [V]: alpha log p_T of the first token, masked by the constraints
-    scores = apply_mask(plan.alpha * tempered_logprobs(first_logits, plan.target_temperature), first_mask)
+    scores = plan.alpha * tempered_logprobs(first_logits, plan.target_temperature, first_mask)
     # where the mask leaves no mass every weight is zero (the caller stops); draw unmasked
     first = sample_tokens((scores if torch.isfinite(scores).any() else first_logits).expand(n, -1), generator)
     state = Particles(
@@ -151,7 +150,7 @@ def verify_block(plan, target_logits: torch.Tensor, draft: DraftBlock, mask_at, 
     # -inf row, whose logsumexp zeroes the weight, and draws unmasked to keep shapes static
     bonus_scores = scores[:, k]
     if mask_at is not None:
-        bonus_scores = apply_mask(bonus_scores, mask_at(drafted)[0])
+        bonus_scores = plan.alpha * tempered_logprobs(target_logits[:, k], plan.target_temperature, mask_at(drafted)[0])
     bonus = sample_tokens(torch.where(bonus_scores.isfinite().any(-1, keepdim=True), bonus_scores, scores[:, k]), generator)
     # [A, K + 1] log-weight increments: drafted columns, then the bonus normaliser
     increments = torch.cat(

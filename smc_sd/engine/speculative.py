@@ -18,7 +18,7 @@ import time
 
 import torch
 
-from smc_sd.engine.masking import apply_mask, masked_logprobs
+from smc_sd.engine.masking import masked_logprobs
 from smc_sd.engine.result import AllParticlesDiedError, CycleStats, Result, kv_memory
 from smc_sd.engine.sampling import gather_last, sample_tokens, tempered_logprobs
 from smc_sd.engine.drafting import DraftBlock, block_masks, draft_block, first_token_mask, trim_at_eos
@@ -79,7 +79,7 @@ def first_token(plan, first_logits: torch.Tensor, first_mask: torch.Tensor | Non
         The token id, or None when p~ has no mass.
     """
     # [1, V]: p~ of the first token
-    first_logp = apply_mask(tempered_logprobs(first_logits, plan.target_temperature)[None], first_mask)
+    first_logp = tempered_logprobs(first_logits[None], plan.target_temperature, None if first_mask is None else first_mask[None])
     if not torch.isfinite(first_logp).any():
         return None
     return int(sample_tokens(first_logp, generator))
@@ -110,7 +110,7 @@ def verify_drafts(plan, draft: DraftBlock, target_logits: torch.Tensor, mask_at,
     if mask_at is not None:
         bonus_mask, _ = mask_at(draft.tokens)
         # [K + 1, V]: p~ = p m / Z_p at every position; [K + 1] bool, positions with Z_p = 0
-        logp, no_target_mass = masked_logprobs(logp, torch.cat([draft.masks[0], bonus_mask], 0))
+        logp, no_target_mass = masked_logprobs(target_logits, plan.target_temperature, torch.cat([draft.masks[0], bonus_mask], 0))
         no_draft_mass = draft.dead[0].nonzero().flatten()
         if no_draft_mass.numel() > 0:
             drafted, logq = drafted[: int(no_draft_mass[0])], logq[: int(no_draft_mass[0])]
