@@ -1,4 +1,4 @@
-"""The KV-cache manager: block tables of equal-length rows over one model's pool and trie.
+"""The KV-cache manager: block tables of rows over one model's pool and trie.
 
 Each row (particle) holds a path: a block table listing the blocks that hold its KV, position p
 living in block `blocks[b, p // block_size]` at offset `p % block_size`, i.e. at flat slot
@@ -9,13 +9,19 @@ The manager never sees KV values: it hands out slots to write and to read, and a
 copies the store must make first (copy on write). So the same bookkeeping can run without a
 model (a dry run) and measure exact block counts.
 
+Rows may differ in length (several requests in one batch): row b holds `lengths[b]` tokens and
+ceil(lengths[b] / block_size) blocks; the tensors are as wide as the longest row and PAD (-1)
+past a row's own entries. Rows of one length have no PAD, as before.
+
 - open: one row for the prompt, written once; `select` then forks it to N rows.
+- open_shared / join: a row for another prompt that shares the indexed blocks of its longest
+  full-block prefix instead of writing them again, then joined to an existing table's rows.
 - select(rows): row i takes row rows[i]'s table; shares and releases adjust counts (pointer copies).
 - append: a row writing into a shared, partially filled last block first copies it to a block of
   its own (copy on write); new blocks are allocated as rows grow.
 - commit: blocks that became full are indexed in the trie; a row whose new full block equals an
   indexed one (same parent, same tokens) points at that one and frees its own.
-- truncate / release: blocks past the kept length return their references.
+- truncate / truncate_rows / release: blocks past the kept length return their references.
 
 A block that a truncation leaves partial stays indexed: nothing has written it, so its KV is
 still its key's, the truncated row reads only its first positions (whose KV is the row's own),
@@ -26,7 +32,8 @@ again, commit merges it into the indexed block with the same key, if there is on
 
 Invariants of a `BlockTables` (checked by `check_invariants` with the pool's and trie's own,
 between operations, i.e. after each append's commit):
-- `blocks` is [B, ceil(length / block_size)] and `tokens` is [B, length];
+- `blocks` is [B, ceil(max length / block_size)] and `tokens` is [B, max length]; row b lists
+  its ceil(lengths[b] / block_size) blocks and its lengths[b] tokens first, PAD after them;
 - every listed block is live; for every block the number of listings across all open tables is
   at most its count (equal when this is the only user of the pool);
 - an indexed block listed at column j > 0 has the block at column j - 1 as its trie parent;
@@ -48,24 +55,33 @@ import torch
 from smc_sd.cache.pool import BlockPool
 from smc_sd.cache.trie import ROOT, TokenTrie
 
+#: the entry of `blocks` and `tokens` past a row's own
+PAD = -1
+
 
 @dataclass
 class BlockTables:
-    """The paths of B equal-length rows.
+    """The paths of B rows.
 
     Attributes:
-        blocks: [B, M] int64 block ids, M = ceil(length / block_size).
-        tokens: [B, S] int64 token ids, S = length.
+        blocks: [B, M] int64 block ids, M = ceil(max length / block_size), PAD past a row's own.
+        tokens: [B, S] int64 token ids, S = the longest row's length, PAD past a row's own.
+        lengths: [B] int64 tokens held by each row (None at construction: the width of tokens).
         peak_live_blocks: the pool's largest live count seen after this table's operations.
-        naive_peak_tokens: the largest B · length seen: positions a cache holding one full copy
-            per row would need.
+        naive_peak_tokens: the largest sum of the rows' lengths seen: positions a cache holding
+            one full copy per row would need.
     """
 
     blocks: torch.Tensor
     tokens: torch.Tensor
+    lengths: torch.Tensor | None = None
     peak_live_blocks: int = 0
     naive_peak_tokens: int = 0
     closed: bool = field(default=False)
+
+    def __post_init__(self):
+        if self.lengths is None:
+            self.lengths = torch.full((self.tokens.shape[0],), self.tokens.shape[1], dtype=torch.int64)
 
     @property
     def batch_size(self) -> int:
@@ -73,7 +89,23 @@ class BlockTables:
 
     @property
     def length(self) -> int:
+        """The rows' common length.
+
+        Raises:
+            ValueError: when rows differ in length (read `lengths`).
+        """
+        if self.batch_size and bool((self.lengths != self.tokens.shape[1]).any()):
+            raise ValueError("these rows differ in length; read lengths")
         return self.tokens.shape[1]
+
+    @property
+    def ragged(self) -> bool:
+        """Whether some row is shorter than the longest."""
+        return bool((self.lengths != self.tokens.shape[1]).any())
+
+    def token_lists(self) -> list[list[int]]:
+        """Every row's own token ids."""
+        return [row[:n] for row, n in zip(self.tokens.tolist(), self.lengths.tolist())]
 
 
 @dataclass(frozen=True)
@@ -111,50 +143,99 @@ class KVCacheManager:
         table = BlockTables(torch.empty(1, 0, dtype=torch.int64), torch.empty(1, 0, dtype=torch.int64))
         return table, self.append(table, torch.tensor([prompt], dtype=torch.int64))
 
+    def open_shared(self, prompt: list[int]) -> tuple[BlockTables, AppendPlan]:
+        """One row for `prompt` that shares the blocks already holding its prefix.
+
+        The row lists the indexed blocks of the prompt's longest prefix of full blocks that
+        leaves its last token out (the caller needs the logits after it, so at least that
+        position is computed); they are shared, not written again. The plan writes the rest:
+        its slots are [1, L], the prompt's last L positions.
+        """
+        bs, parent, shared = self.block_size, ROOT, []
+        for j in range((len(prompt) - 1) // bs):
+            twin = self.trie.lookup(parent, tuple(prompt[j * bs : (j + 1) * bs]))
+            if twin is None:
+                break
+            shared.append(twin)
+            parent = twin
+        blocks = torch.tensor([shared], dtype=torch.int64).view(1, -1)
+        self.pool.share(blocks)
+        table = BlockTables(blocks, torch.tensor([prompt[: len(shared) * bs]], dtype=torch.int64).view(1, -1))
+        return table, self.append(table, torch.tensor([prompt[len(shared) * bs :]], dtype=torch.int64))
+
+    def join(self, table: BlockTables, other: BlockTables) -> None:
+        """Append the rows of `other` after those of `table`; its references move over and
+        `other` is closed."""
+        self._check_open(table)
+        self._check_open(other)
+        width = max(table.blocks.shape[1], other.blocks.shape[1])
+        length = max(table.tokens.shape[1], other.tokens.shape[1])
+        table.blocks = torch.cat([_pad_columns(table.blocks, width), _pad_columns(other.blocks, width)])
+        table.tokens = torch.cat([_pad_columns(table.tokens, length), _pad_columns(other.tokens, length)])
+        table.lengths = torch.cat([table.lengths, other.lengths])
+        table.peak_live_blocks = max(table.peak_live_blocks, other.peak_live_blocks)
+        other.blocks, other.closed = other.blocks[:, :0], True
+        self._record_peak(table)
+
     def append(self, table: BlockTables, tokens: torch.Tensor) -> AppendPlan:
-        """Make room for `tokens` [B, L] int64 at the end of every row and record them.
+        """Make room for `tokens` [B, L] int64 at the end of every row and record them; row b
+        gets positions lengths[b] .. lengths[b] + L - 1.
 
         Returns:
             The plan: block copies (copy on write of shared partial last blocks), then the slots
             where the new positions' KV must be written. Call `commit` once they are written.
         """
         self._check_open(table)
-        bs, old = self.block_size, table.length
+        bs, old = self.block_size, table.lengths.clone()
         tokens = tokens.to(torch.int64).cpu()
         copies = []
-        if old % bs:
-            last = old // bs
-            for b in range(table.batch_size):
-                block = int(table.blocks[b, last])
-                if self.pool.is_writable(block):
-                    # about to change: its trie key would no longer describe it
-                    self.trie.remove([block])
-                else:
-                    fresh = self.pool.allocate(1)
-                    copies.append((block, int(fresh)))
-                    # count stays >= 1: the source survives until the store has copied it
-                    self.pool.release(torch.tensor([block]))
-                    table.blocks[b, last] = fresh
-        new = math.ceil((old + tokens.shape[1]) / bs) - table.blocks.shape[1]
-        if new:
-            fresh = self.pool.allocate(table.batch_size * new)
-            # [B, new]: each row's new blocks, in order
-            table.blocks = torch.cat([table.blocks, fresh.view(table.batch_size, new)], 1)
-        table.tokens = torch.cat([table.tokens, tokens], 1)
+        for b in (old % bs).nonzero().flatten().tolist():
+            last = int(old[b]) // bs
+            block = int(table.blocks[b, last])
+            if self.pool.is_writable(block):
+                # about to change: its trie key would no longer describe it
+                self.trie.remove([block])
+            else:
+                fresh = self.pool.allocate(1)
+                copies.append((block, int(fresh)))
+                # count stays >= 1: the source survives until the store has copied it
+                self.pool.release(torch.tensor([block]))
+                table.blocks[b, last] = fresh
+        new_lengths = old + tokens.shape[1]
+        have, need = _blocks_for(old, bs), _blocks_for(new_lengths, bs)
+        table.blocks = _pad_columns(table.blocks, int(need.max()))
+        table.tokens = _pad_columns(table.tokens, int(new_lengths.max()))
+        count = need - have
+        if int(count.sum()):
+            fresh = self.pool.allocate(int(count.sum()))
+            offsets = torch.arange(int(count.max()))
+            # [B, max count] bool: each row's new columns; row-major, so each row takes its new
+            # blocks in order
+            taken = offsets[None, :] < count[:, None]
+            rows = torch.arange(table.batch_size)[:, None].expand_as(taken)[taken]
+            table.blocks[rows, (have[:, None] + offsets[None, :])[taken]] = fresh
+        # [B, L]: the appended positions of every row
+        positions = old[:, None] + torch.arange(tokens.shape[1])
+        table.tokens.scatter_(1, positions, tokens)
+        table.lengths = new_lengths
         self._record_peak(table)
-        return AppendPlan(
-            torch.tensor(copies, dtype=torch.int64).view(-1, 2),
-            self.slots(table, old, table.length),
-        )
+        return AppendPlan(torch.tensor(copies, dtype=torch.int64).view(-1, 2), self._slots_at(table, positions))
 
-    def commit(self, table: BlockTables, start: int) -> None:
+    def commit(self, table: BlockTables, start) -> None:
         """Index the blocks that became full since length `start`, sharing equal ones.
+
+        Args:
+            start: the rows' length before the append, an int or [B] int64 (one per row).
 
         Call after the appended KV is written (the shared block's KV equals the row's own).
         """
-        bs = self.block_size
-        for j in range(start // bs, table.length // bs):
-            for b in range(table.batch_size):
+        bs, batch = self.block_size, table.batch_size
+        first = (torch.as_tensor(start, dtype=torch.int64).expand(batch) // bs).tolist()
+        full = (table.lengths // bs).tolist()
+        for j in range(min(first, default=0), max(full, default=0)):
+            for b in range(batch):
+                if not first[b] <= j < full[b]:
+                    continue
                 block = int(table.blocks[b, j])
                 if block in self.trie:
                     continue
@@ -170,11 +251,11 @@ class KVCacheManager:
         self._record_peak(table)
 
     def slots(self, table: BlockTables, start: int = 0, stop: int | None = None) -> torch.Tensor:
-        """[B, stop - start] int64 flat slots of positions start .. stop-1 of every row."""
-        stop = table.length if stop is None else stop
-        positions = torch.arange(start, stop)
-        # [B, stop - start]: block of each position, times block size, plus offset
-        return table.blocks[:, positions // self.block_size] * self.block_size + positions % self.block_size
+        """[B, stop - start] int64 flat slots of positions start .. stop-1 of every row (stop:
+        the longest row's length). A position past a row's length reads some valid slot, which
+        the caller must mask."""
+        stop = table.tokens.shape[1] if stop is None else stop
+        return self._slots_at(table, torch.arange(start, stop).expand(table.batch_size, -1))
 
     def select(self, table: BlockTables, rows: torch.Tensor) -> None:
         """Row i becomes a copy of old row rows[i] ([B'] int64): pointers copied, counts adjusted."""
@@ -183,24 +264,36 @@ class KVCacheManager:
         # [B', M]
         chosen = table.blocks[rows]
         # share first: a block kept by some row must not touch 0 in between
-        self.pool.share(chosen)
-        self.trie.remove(self.pool.release(table.blocks))
-        table.blocks, table.tokens = chosen, table.tokens[rows]
+        self.pool.share(chosen[chosen != PAD])
+        self.trie.remove(self.pool.release(table.blocks[table.blocks != PAD]))
+        table.blocks, table.tokens, table.lengths = chosen, table.tokens[rows], table.lengths[rows]
+        self._trim(table)
         self._record_peak(table)
 
     def truncate(self, table: BlockTables, length: int) -> None:
         """Keep the first `length` positions of every row; later blocks return their references."""
+        self.truncate_rows(table, torch.full((table.batch_size,), length, dtype=torch.int64))
+
+    def truncate_rows(self, table: BlockTables, lengths: torch.Tensor) -> None:
+        """Keep the first lengths[b] positions of row b ([B] int64, at most its length; 0 empties
+        the row); later blocks return their references."""
         self._check_open(table)
-        kept = math.ceil(length / self.block_size)
+        lengths = lengths.to(torch.int64).cpu()
+        kept = _blocks_for(lengths, self.block_size)
+        # [B, M]: columns past each row's kept blocks
+        cut = torch.arange(table.blocks.shape[1])[None, :] >= kept[:, None]
         # a last kept block left partial stays indexed until a row writes into it (`append`)
-        self.trie.remove(self.pool.release(table.blocks[:, kept:]))
-        table.blocks, table.tokens = table.blocks[:, :kept].clone(), table.tokens[:, :length].clone()
+        self.trie.remove(self.pool.release(table.blocks[cut & (table.blocks != PAD)]))
+        table.blocks = table.blocks.masked_fill(cut, PAD)
+        table.tokens = table.tokens.masked_fill(torch.arange(table.tokens.shape[1])[None, :] >= lengths[:, None], PAD)
+        table.lengths = lengths.clone()
+        self._trim(table)
 
     def release(self, table: BlockTables) -> None:
         """Return every reference the table holds. Safe to call twice."""
         if table.closed:
             return
-        self.trie.remove(self.pool.release(table.blocks))
+        self.trie.remove(self.pool.release(table.blocks[table.blocks != PAD]))
         table.blocks = table.blocks[:, :0]
         table.closed = True
 
@@ -224,18 +317,24 @@ class KVCacheManager:
         for table in tables:
             if table.closed:
                 continue
-            blocks = table.blocks
-            assert blocks.shape == (table.batch_size, math.ceil(table.length / self.block_size))
-            listings.index_add_(0, blocks.reshape(-1), torch.ones(blocks.numel(), dtype=torch.int64))
-            bs = self.block_size
-            for b, j in ((b, j) for b in range(blocks.shape[0]) for j in range(blocks.shape[1])):
-                block = int(blocks[b, j])
-                if block not in self.trie:
-                    continue
-                if j > 0:
-                    assert self.trie.parent(block) == int(blocks[b, j - 1]), f"row {b} column {j}: trie parent differs"
-                held = tuple(table.tokens[b, j * bs : (j + 1) * bs].tolist())
-                assert self.trie.tokens(block)[: len(held)] == held, f"row {b} column {j}: indexed under other tokens"
+            blocks, bs = table.blocks, self.block_size
+            longest = int(table.lengths.max()) if table.batch_size else 0
+            assert table.tokens.shape == (table.batch_size, longest), "tokens are not as wide as the longest row"
+            assert blocks.shape == (table.batch_size, math.ceil(longest / bs)), "blocks are not as wide as the longest row"
+            widths = _blocks_for(table.lengths, bs)
+            assert bool(((blocks != PAD) == (torch.arange(blocks.shape[1])[None, :] < widths[:, None])).all()), "a row's blocks are not its first entries"
+            assert bool(((table.tokens != PAD) == (torch.arange(longest)[None, :] < table.lengths[:, None])).all()), "a row's tokens are not its first entries"
+            listed = blocks[blocks != PAD]
+            listings.index_add_(0, listed, torch.ones(listed.numel(), dtype=torch.int64))
+            for b, width in enumerate(widths.tolist()):
+                for j in range(width):
+                    block = int(blocks[b, j])
+                    if block not in self.trie:
+                        continue
+                    if j > 0:
+                        assert self.trie.parent(block) == int(blocks[b, j - 1]), f"row {b} column {j}: trie parent differs"
+                    held = tuple(table.tokens[b, j * bs : min((j + 1) * bs, int(table.lengths[b]))].tolist())
+                    assert self.trie.tokens(block)[: len(held)] == held, f"row {b} column {j}: indexed under other tokens"
         for block in listings.nonzero().flatten().tolist():
             assert self.pool.count(block) >= int(listings[block]), f"block {block} listed beyond its count"
         self._check_one_block_per_prefix(tables)
@@ -250,8 +349,8 @@ class KVCacheManager:
         for t, table in enumerate(tables):
             if table.closed:
                 continue
-            for b, (row, tokens) in enumerate(zip(table.blocks.tolist(), table.tokens.tolist())):
-                for j, block in enumerate(row):
+            for b, (row, tokens) in enumerate(zip(table.blocks.tolist(), table.token_lists())):
+                for j, block in enumerate(row[: math.ceil(len(tokens) / bs)]):
                     where, prefix = f"table {t} row {b} column {j}", tuple(tokens[: (j + 1) * bs])
                     if len(prefix) == (j + 1) * bs:
                         first = block_of.setdefault(prefix, block)
@@ -262,11 +361,38 @@ class KVCacheManager:
                     assert column == j and long[: len(short)] == short, f"{where}: block {block} holds two prefixes"
                     path_of[block] = (j, long)
 
+    def _slots_at(self, table: BlockTables, positions: torch.Tensor) -> torch.Tensor:
+        """[B, L] int64 flat slots of the positions [B, L] of every row; a position in no block
+        of its row reads block 0 (valid, masked by the caller)."""
+        bs = self.block_size
+        if positions.numel() == 0:
+            return positions.clone()
+        blocks = table.blocks.gather(1, positions // bs).clamp(min=0)
+        return blocks * bs + positions % bs
+
+    def _trim(self, table: BlockTables) -> None:
+        """Drop the columns past the longest row."""
+        longest = int(table.lengths.max()) if table.batch_size else 0
+        table.tokens = table.tokens[:, :longest]
+        table.blocks = table.blocks[:, : math.ceil(longest / self.block_size)]
+
     def _record_peak(self, table: BlockTables) -> None:
         table.peak_live_blocks = max(table.peak_live_blocks, self.pool.live)
-        table.naive_peak_tokens = max(table.naive_peak_tokens, table.batch_size * table.length)
+        table.naive_peak_tokens = max(table.naive_peak_tokens, int(table.lengths.sum()))
 
     @staticmethod
     def _check_open(table: BlockTables) -> None:
         if table.closed:
             raise ValueError("these block tables were released")
+
+
+def _blocks_for(lengths: torch.Tensor, block_size: int) -> torch.Tensor:
+    """[B] int64 blocks that hold rows of these lengths: ceil(lengths / block_size)."""
+    return (lengths + block_size - 1) // block_size
+
+
+def _pad_columns(values: torch.Tensor, width: int) -> torch.Tensor:
+    """[B, width] int64: `values` [B, w <= width] with PAD columns added on the right."""
+    if values.shape[1] >= width:
+        return values
+    return torch.cat([values, values.new_full((values.shape[0], width - values.shape[1]), PAD)], 1)
