@@ -73,6 +73,18 @@ class Masker:
             self.row_seconds.append(elapsed / len(rows))
         return mask, dead
 
+    def forced_tokens(self, prefix: list[int]) -> list[int]:
+        """The tokens the first constraint that forces any forces after the prefix ([] if none).
+
+        Another constraint of a conjunction may refuse them: a free draft cuts its proposal at
+        the first token the masks refuse.
+        """
+        for constraint in self.constraints:
+            forced = constraint.forced_tokens(prefix)
+            if forced:
+                return forced
+        return []
+
     def complete(self, prefixes: list[list[int]]) -> torch.Tensor:
         """[B] bool: whether each prefix is a complete string of every constraint (EOS allowed)."""
         if not prefixes:

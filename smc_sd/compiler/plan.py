@@ -18,6 +18,7 @@ import torch
 
 from smc_sd.backends.base import ContextOverflowError, LanguageModel, check_same_vocabulary
 from smc_sd.compiler.masks import Masker
+from smc_sd.program.spec import FreeDraft
 from smc_sd.program.scores import BlockPotential, ProductPotential, as_block_potential
 from smc_sd.engine.resampling import check_resampler
 from smc_sd.engine.result import CycleStats, Result
@@ -31,7 +32,8 @@ class StepPlan:
         name: the program's name.
         verification: "importance" (SMC-SD) or "accept-reject" (exact speculative decoding).
         target: target LM; target_temperature T; alpha the power.
-        draft: draft LM or None (K = 0: the target proposes its own next token).
+        draft: draft LM or None (K = 0: the target proposes its own next token, or the free
+            draft proposes alone).
         draft_temperature: T_d.
         particles: N.
         draft_len: K.
@@ -42,6 +44,7 @@ class StepPlan:
             masks, or None when unconstrained.
         twist: the program's twist (log psi of prefixes), or None.
         potential: the product of the target's block-end potentials, or None.
+        free: the proposal's model-free draft sources, or None.
     """
 
     name: str
@@ -59,6 +62,7 @@ class StepPlan:
     masker: Masker | None = None
     twist: Callable | None = None
     potential: BlockPotential | None = None
+    free: FreeDraft | None = None
 
     @property
     def tokens_per_pass(self) -> int:
@@ -110,6 +114,15 @@ def check_settings(program, schedule) -> None:
     _require(0 < target.alpha < math.inf, f"alpha must be > 0 and finite, got {target.alpha}")
     check_resampler(schedule.resampling)
     if proposal is not None:
+        free = proposal.free
+        if free is not None:
+            _require(free.max_len >= 1, f"a free draft's block length must be >= 1, got {free.max_len}")
+            _require(free.min_match >= 1, f"a free draft's lookup match must be >= 1 token, got {free.min_match}")
+            _require(free.forced or free.lookup, "a free draft needs at least one source (forced tokens or lookup)")
+            _require(
+                program.verification == "accept-reject",
+                "free drafts run with exact speculative verification (sd, mask-at-verify) so far",
+            )
         _require(proposal.draft_len >= 1, f"draft length K must be >= 1, got {proposal.draft_len}")
         _require(0 <= proposal.temperature < math.inf, f"draft temperature must be >= 0 and finite, got {proposal.temperature}")
         _require(
@@ -151,18 +164,24 @@ def compile_program(program, schedule, prompt_length: int) -> StepPlan:
     target, proposal = program.target, program.proposal
     _require(prompt_length >= 1, "the prompt is empty; give at least one token")
     check_settings(program, schedule)
+    _require(
+        proposal is None or proposal.lm is not None or proposal.free is not None,
+        "the proposal has neither a draft model nor a free draft",
+    )
     draft_len = 0
-    if proposal is not None:
+    if proposal is not None and proposal.lm is not None:
         check_same_vocabulary(proposal.lm, target.lm)
         draft_len = proposal.draft_len
-    # The last cycle may run past the budget by up to K + 1 positions before truncation.
-    needed = prompt_length + schedule.max_tokens + draft_len + 1
-    models = [target.lm] + ([proposal.lm] if proposal is not None else [])
+    # the longest block: the draft LM's K, or a free draft's longest proposal
+    block = max(draft_len, proposal.free.max_len if proposal is not None and proposal.free is not None else 0)
+    # The last cycle may run past the budget by up to one block + 1 positions before truncation.
+    needed = prompt_length + schedule.max_tokens + block + 1
+    models = [target.lm] + ([proposal.lm] if proposal is not None and proposal.lm is not None else [])
     for lm in models:
         if needed > lm.max_length:
             raise ContextOverflowError(
                 f"prompt ({prompt_length} tokens) + max tokens ({schedule.max_tokens}) + one block "
-                f"({draft_len + 1}) needs {needed} positions, but the model's context window is "
+                f"({block + 1}) needs {needed} positions, but the model's context window is "
                 f"{lm.max_length}"
             )
     constraints = tuple(as_token_constraint(c, target.lm) for c in target.constraints)
@@ -182,6 +201,7 @@ def compile_program(program, schedule, prompt_length: int) -> StepPlan:
         target_temperature=target.temperature,
         alpha=target.alpha,
         draft=proposal.lm if proposal is not None else None,
+        free=proposal.free if proposal is not None else None,
         draft_temperature=proposal.temperature if proposal is not None else 1.0,
         particles=schedule.particles,
         draft_len=draft_len,

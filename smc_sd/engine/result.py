@@ -16,6 +16,11 @@ import torch
 
 from smc_sd.engine.resampling import effective_sample_size, normalised_weights
 
+#: an ESS at or below this means the weights sit on about one particle
+COLLAPSED_ESS = 1.5
+#: a run whose weights collapsed in at least this fraction of its cycles is flagged unreliable
+UNRELIABLE_FRACTION = 0.5
+
 
 @dataclass(frozen=True)
 class CycleStats:
@@ -28,6 +33,8 @@ class CycleStats:
         tokens: positions each particle advanced (K + 1, fewer when the token budget cut in).
         particles: N.
         accepted: for exact speculative decoding, draft tokens accepted (else None).
+        proposed: for exact speculative decoding, draft tokens the pass verified (K for a draft
+            LM's block, the proposal's length for a free draft's, 0 for a plain target step).
         rows: for SMC-SD, the particles that cost a forward in this cycle (the unfinished ones).
     """
 
@@ -38,6 +45,7 @@ class CycleStats:
     particles: int
     accepted: int | None = None
     rows: int | None = None
+    proposed: int | None = None
 
     @property
     def chi_square(self) -> float:
@@ -116,6 +124,15 @@ class Result:
         return sum(c.resampled for c in self.cycles)
 
     @property
+    def acceptance(self) -> float | None:
+        """Draft tokens accepted over draft tokens verified (exact speculative decoding), or
+        None when no cycle verified a draft token."""
+        proposed = sum(c.proposed or 0 for c in self.cycles)
+        if proposed == 0:
+            return None
+        return sum(c.accepted or 0 for c in self.cycles) / proposed
+
+    @property
     def tokens_per_second(self) -> float:
         """Generated tokens of the returned particle per second of wall time."""
         return len(self.tokens) / self.seconds if self.seconds > 0 else math.inf
@@ -143,6 +160,33 @@ class Result:
                 out[key(ids)] += w
         return dict(out)
 
+    @property
+    def collapsed_fraction(self) -> float:
+        """The fraction of cycles whose ESS after reweighting was at most `COLLAPSED_ESS`.
+
+        With N >= 2 particles, an ESS of about one means one particle carried the weight: the
+        cycle's proposal was far from the target, and a run that collapses in most cycles
+        returns text that follows the draft more than the target. 0 for one particle or no cycle.
+        """
+        counted = [c for c in self.cycles if c.particles >= 2]
+        if not counted:
+            return 0.0
+        return sum(c.ess <= COLLAPSED_ESS for c in counted) / len(counted)
+
+    @property
+    def reliability_warning(self) -> str | None:
+        """One line saying the sample is unreliable when the weights collapsed in at least
+        `UNRELIABLE_FRACTION` of the cycles, with what to do; None otherwise."""
+        fraction = self.collapsed_fraction
+        if fraction < UNRELIABLE_FRACTION:
+            return None
+        counted = sum(c.particles >= 2 for c in self.cycles)
+        return (
+            f"the weights collapsed to about one particle (ESS <= {COLLAPSED_ESS} of {len(self.particles)}) in "
+            f"{round(fraction * counted)} of {counted} cycles, so this sample follows the draft more than the "
+            "target; use more particles, a draft closer to the target, or exact speculative decoding (--method sd)"
+        )
+
     def to_json(self) -> dict:
         """The machine-readable summary `smc-sd generate --json` prints."""
         return {
@@ -163,6 +207,8 @@ class Result:
             "kv_peak_bytes": None if self.kv is None else self.kv["peak_bytes"],
             "kv_naive_bytes": None if self.kv is None else self.kv["naive_peak_bytes"],
             "mask_seconds": self.mask_seconds,
+            "collapsed_fraction": self.collapsed_fraction,
+            "acceptance": self.acceptance,
         }
 
 

@@ -22,6 +22,7 @@ from smc_sd.engine.masking import masked_logprobs
 from smc_sd.engine.result import AllParticlesDiedError, CycleStats, Result, kv_memory
 from smc_sd.engine.sampling import gather_last, sample_tokens, tempered_logprobs
 from smc_sd.engine.drafting import DraftBlock, block_masks, draft_block, first_token_mask, trim_at_eos
+from smc_sd.engine.free_drafts import FreeDrafter, allowed_prefix, point_mass_rows
 
 
 def accept_or_resample(
@@ -119,16 +120,61 @@ def verify_drafts(plan, draft: DraftBlock, target_logits: torch.Tensor, mask_at,
     return accepted, emitted, dead
 
 
+def empty_block(vocab_size: int, constrained: bool) -> DraftBlock:
+    """A block of no drafted tokens (the target emits one token), with empty masks when constrained."""
+    tokens, logq = torch.empty(1, 0, dtype=torch.long), torch.empty(1, 0, vocab_size)
+    if not constrained:
+        return DraftBlock(tokens, logq)
+    return DraftBlock(tokens, logq, torch.empty(1, 0, vocab_size, dtype=torch.bool), torch.empty(1, 0, dtype=torch.bool))
+
+
+def free_block(plan, drafter: FreeDrafter, tokens: list[int]):
+    """The cycle's block from the free draft: its proposal, cut at the first token the
+    constraints refuse, with the masks of every position from one mask call.
+
+    Returns:
+        (draft, mask_at, forced), draft a DraftBlock of point masses ([1, m] tokens); or None
+        when the free draft proposes nothing.
+    """
+    proposal, forced = drafter.propose(tokens, plan.max_tokens - len(tokens))
+    if not proposal:
+        return None
+    vocab = plan.target.vocabulary.size
+    if plan.masker is None:
+        return DraftBlock(torch.tensor([proposal]), point_mass_rows(proposal, vocab)[None]), None, forced
+    # [m + 1, V]: the masks after each proposed prefix, one call for the whole block
+    masks, _ = plan.masker([tokens + proposal[:j] for j in range(len(proposal) + 1)], torch.ones(len(proposal) + 1, dtype=torch.bool))
+    m = allowed_prefix(proposal, masks)
+    if m == 0:
+        return None
+    proposal = proposal[:m]
+
+    def mask_at(drafted: torch.Tensor):
+        # the precomputed mask after the first j proposed tokens
+        return masks[drafted.shape[1]][None], torch.zeros(1, dtype=torch.bool)
+
+    draft = DraftBlock(torch.tensor([proposal]), point_mass_rows(proposal, vocab)[None], masks[None, :m], torch.zeros(1, m, dtype=torch.bool))
+    return draft, mask_at, min(forced, m)
+
+
 def run_speculative(plan, prompt: list[int], generator: torch.Generator, on_cycle=None) -> Result:
-    """Run an accept/reject StepPlan: one sequence, K drafted tokens per cycle."""
+    """Run an accept/reject StepPlan: one sequence, K drafted tokens per cycle.
+
+    With a free draft, a cycle whose free draft proposes verifies that proposal (q a point
+    mass, `smc_sd.engine.free_drafts`); any other cycle drafts K tokens from the draft LM, or,
+    with no draft LM, verifies nothing and emits one token from the target (an autoregressive
+    step). Either way the emitted law is the method's.
+    """
     start = time.perf_counter()
     k, eos = plan.draft_len, plan.target.vocabulary.eos_token_id
     first_mask = first_token_mask(plan.masker)
     target_rows, first_logits = plan.target.open(prompt, 1)
-    draft_rows = plan.draft.open(prompt, 1)[0]
+    draft_rows = plan.draft.open(prompt, 1)[0] if plan.draft is not None else None
+    drafter = FreeDrafter(plan.free, prompt, plan.masker) if plan.free is not None else None
     try:
         tokens: list[int] = []
         cycles: list[CycleStats] = []
+        draft_passes = 0
 
         def result() -> Result:
             return Result(
@@ -141,7 +187,7 @@ def run_speculative(plan, prompt: list[int], generator: torch.Generator, on_cycl
                 chosen=0,
                 cycles=cycles,
                 target_passes=len(cycles),
-                draft_passes=k * len(cycles),
+                draft_passes=draft_passes,
                 seconds=time.perf_counter() - start,
                 decode=plan.target.decode,
                 kv=kv_memory(target_rows, draft_rows),
@@ -154,14 +200,23 @@ def run_speculative(plan, prompt: list[int], generator: torch.Generator, on_cycl
         if first is None:
             raise AllParticlesDiedError("no first token has nonzero probability under the target (and its constraints, if any)", result())
         tokens.append(first)
-        # tokens of the prefix the draft has not read yet
+        # tokens of the prefix the draft LM has not read yet
         draft_unseen = [tokens[0]]
         while len(tokens) < plan.max_tokens and tokens[-1] != eos:
-            draft_length_before = draft_rows.length
             target_length_before = target_rows.length
-            mask_at = None if plan.masker is None else block_masks(plan.masker, [tokens], torch.ones(1, dtype=torch.bool), eos)
-            draft = draft_block(draft_rows, torch.tensor([draft_unseen]), k, plan.draft_temperature, generator, mask_at)
-            # [K + 1, V]: target logits after the last emitted token and after each drafted token
+            free = free_block(plan, drafter, tokens) if drafter is not None else None
+            from_lm = free is None and draft_rows is not None
+            if free is not None:
+                draft, mask_at, forced = free
+            else:
+                mask_at = None if plan.masker is None else block_masks(plan.masker, [tokens], torch.ones(1, dtype=torch.bool), eos)
+                if from_lm:
+                    draft_length_before = draft_rows.length
+                    draft = draft_block(draft_rows, torch.tensor([draft_unseen]), k, plan.draft_temperature, generator, mask_at)
+                    draft_passes += k
+                else:
+                    draft = empty_block(plan.target.vocabulary.size, constrained=mask_at is not None)
+            # [m + 1, V]: target logits after the last emitted token and after each drafted token
             target_logits = target_rows.extend(torch.tensor([[tokens[-1]] + draft.tokens[0].tolist()]))[0]
             accepted, emitted, dead = verify_drafts(plan, draft, target_logits, mask_at, generator, plan.max_tokens - len(tokens))
             if dead:
@@ -169,17 +224,23 @@ def run_speculative(plan, prompt: list[int], generator: torch.Generator, on_cycl
             drafted = draft.tokens[0]
             # the target keeps the last emitted token and the accepted drafts
             target_rows.truncate(target_length_before + 1 + accepted)
-            # the draft read draft_unseen and drafted[:K-1]; keep what is still on the path
-            kept_by_draft = min(accepted, k - 1)
-            draft_rows.truncate(draft_length_before + len(draft_unseen) + kept_by_draft)
-            draft_unseen = drafted[kept_by_draft:accepted].tolist() + [emitted]
+            if from_lm:
+                # the draft read draft_unseen and drafted[:K-1]; keep what is still on the path
+                kept_by_draft = min(accepted, k - 1)
+                draft_rows.truncate(draft_length_before + len(draft_unseen) + kept_by_draft)
+                draft_unseen = drafted[kept_by_draft:accepted].tolist() + [emitted]
+            else:
+                draft_unseen += drafted[:accepted].tolist() + [emitted]
+            if free is not None:
+                drafter.record(drafted.numel() - forced, max(0, accepted - forced))
             new = trim_at_eos(drafted[:accepted].tolist() + [emitted], eos)
             new = new[: plan.max_tokens - len(tokens)]
             tokens += new
-            cycles.append(CycleStats(1.0, False, 0.0, len(new), 1, accepted=accepted))
+            cycles.append(CycleStats(1.0, False, 0.0, len(new), 1, accepted=accepted, proposed=drafted.numel()))
             if on_cycle is not None:
                 on_cycle(cycles[-1], [tokens])
         return result()
     finally:
         target_rows.close()
-        draft_rows.close()
+        if draft_rows is not None:
+            draft_rows.close()

@@ -12,6 +12,6 @@ particles run, when they resample and for how long. The target distribution over
     >>> result.text, result.log_ml, [c.ess for c in result.cycles]
 """
 
-from smc_sd.program.spec import Program, Proposal, Schedule, Target
+from smc_sd.program.spec import FreeDraft, Program, Proposal, Schedule, Target
 
-__all__ = ["Program", "Proposal", "Schedule", "Target"]
+__all__ = ["FreeDraft", "Program", "Proposal", "Schedule", "Target"]

@@ -39,6 +39,15 @@ class TokenConstraint(abc.ABC):
             [B, V] bool; see the module docstring.
         """
 
+    def forced_tokens(self, prefix: list[int]) -> list[int]:
+        """Tokens every completion of the prefix starts with, as far as this constraint can tell
+        cheaply (a free draft proposes them); [] when it cannot. Never a token the mask refuses.
+
+        Args:
+            prefix: generated token ids (no EOS inside).
+        """
+        return []
+
 
 class PredicateConstraint(TokenConstraint):
     """A constraint given by two predicates on token tuples (for toy vocabularies).

@@ -38,18 +38,46 @@ class Target:
 
 
 @dataclass(frozen=True)
-class Proposal:
-    """Where tokens come from: K tokens drawn autoregressively from a draft LM per cycle.
+class FreeDraft:
+    """Model-free draft sources: tokens proposed from a sequence's text, at no model cost.
+
+    Before each verify pass a free draft proposes d_1..d_m deterministically: first the tokens
+    the constraints force after the text (llguidance's fast-forward tokens; with no constraint,
+    none), then the tokens that followed the longest earlier occurrence of the text's last
+    tokens in the prompt or the text itself (`smc_sd.engine.lookup`). A deterministic draft is
+    the point mass q = delta_d, so exact speculative sampling accepts d_j with probability
+    p(d_j) and otherwise draws from p without d_j, renormalised: the emitted law is p exactly.
 
     Attributes:
-        lm: the draft language model (must share the target's tokenizer).
-        temperature: T_d > 0; q = softmax(draft logits / T_d).
-        draft_len: K >= 1 tokens per particle per cycle.
+        forced: propose the tokens the constraints force.
+        lookup: propose continuations found by lookup.
+        min_match: the shortest suffix of the text (in tokens) a lookup match must repeat.
+        max_len: the most tokens one block proposes (the lookup's block length adapts below it
+            to the acceptance it measures).
     """
 
-    lm: LanguageModel
+    forced: bool = True
+    lookup: bool = True
+    min_match: int = 2
+    max_len: int = 16
+
+
+@dataclass(frozen=True)
+class Proposal:
+    """Where tokens come from: a free draft where it proposes, a draft LM elsewhere.
+
+    Attributes:
+        lm: the draft language model (must share the target's tokenizer), or None with a free
+            draft alone (a block with nothing proposed is one target token, as autoregressive).
+        temperature: T_d > 0; q = softmax(draft logits / T_d).
+        draft_len: K >= 1 tokens the draft LM proposes per particle per cycle.
+        free: model-free sources whose tokens enter the block where they propose, or None.
+    """
+
+    lm: LanguageModel | None
     temperature: float = 1.0
     draft_len: int = 4
+    free: FreeDraft | None = None
 
 
 @dataclass(frozen=True)

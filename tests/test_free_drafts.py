@@ -1,0 +1,92 @@
+"""Free drafts keep each method's law: exact sd samples p_T, mask-at-verify the local projection.
+
+A free draft proposes deterministic tokens (lookup continuations, forced tokens); verified as a
+point-mass draft they are accepted with probability p, so the emitted law must be exactly the
+method's. Prompts here repeat their tokens so that lookup proposes often, and the vocabulary of
+the constrained case spells forced bytes in several ways, so that the verify, not the draft,
+decides between tokenizations. TV tolerances come from `tv_tolerance` (failure 1e-6 when exact).
+"""
+
+import pytest
+
+from smc_sd.backends.toy import ToyLM
+from smc_sd.engine.free_drafts import FreeDrafter
+from smc_sd.metrics import empirical, total_variation, tv_tolerance
+from smc_sd.program import FreeDraft, Schedule
+from smc_sd.program.grammars import Regex
+from smc_sd.program.potentials import as_token_constraint
+from smc_sd.programs import mask_at_verify, speculative
+from tests.test_llguidance import WordLM
+from tests.toy_programs import target_and_draft
+
+#: a prompt whose bigrams repeat, so that a lookup of one or two tokens finds continuations
+REPEATING_PROMPT = [0, 1, 2, 0, 1, 2, 0, 1, 0, 2]
+LOOKUP = FreeDraft(forced=False, min_match=1, max_len=3)
+
+
+def run_all(program, prompt, max_tokens, n):
+    """Completions of n seeded runs, and the draft tokens they proposed and accepted in all."""
+    samples, proposed, accepted = [], 0, 0
+    for seed in range(n):
+        result = program.run(prompt, Schedule(1, max_tokens=max_tokens), seed=seed)
+        samples.append(tuple(result.tokens))
+        proposed += sum(c.proposed for c in result.cycles)
+        accepted += sum(c.accepted for c in result.cycles)
+    return samples, proposed, accepted
+
+
+@pytest.mark.parametrize("with_lm", [False, True])
+def test_sd_with_a_lookup_draft_matches_the_target(with_lm):
+    target, draft = target_and_draft(noise=2.0)
+    max_tokens, n = 4, 5000
+    program = speculative.program(target, draft if with_lm else None, draft_len=2, free_draft=LOOKUP)
+    samples, proposed, accepted = run_all(program, REPEATING_PROMPT, max_tokens, n)
+    # the lookup proposed on many runs, and the target rejected part of it
+    assert proposed > n // 4 and 0 < accepted < proposed
+    exact, _ = target.completion_distribution(REPEATING_PROMPT, max_tokens)
+    assert total_variation(empirical(samples), exact) < tv_tolerance(exact, n)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.6])
+def test_mask_at_verify_with_forced_tokens_matches_the_local_projection(temperature):
+    # "()" is forced at the start and after every pair; "(" then ")" spells it too
+    lm = WordLM(["(", ")", "()", "(("], seed=2)
+    constraint = Regex(r"(\(\))+")
+    max_tokens, n = 4, 5000
+    program = mask_at_verify.program(lm, None, constraints=(constraint,), temperature=temperature, free_draft=FreeDraft(min_match=1, max_len=3))
+    samples, proposed, accepted = run_all(program, [0], max_tokens, n)
+    assert proposed > n // 4 and 0 < accepted < proposed
+    exact, _ = lm.completion_distribution([0], max_tokens, temperature, constraint=as_token_constraint(constraint, lm), local=True)
+    # the non-canonical spelling of the forced pair keeps its mass
+    assert sum(w for x, w in exact.items() if x[:2] == (0, 1)) > 0.05
+    assert total_variation(empirical(samples), exact) < tv_tolerance(exact, n)
+
+
+def test_sd_at_temperature_zero_with_a_free_draft_is_greedy():
+    target, _ = target_and_draft()
+    program = speculative.program(target, None, temperature=0.0, free_draft=LOOKUP)
+    greedy, prefix = [], list(REPEATING_PROMPT)
+    for _ in range(6):
+        greedy.append(int(target.logits(tuple(prefix)).argmax()))
+        prefix.append(greedy[-1])
+        if greedy[-1] == target.vocabulary.eos_token_id:
+            break
+    for seed in range(5):
+        assert program.run(REPEATING_PROMPT, Schedule(1, max_tokens=6), seed=seed).tokens == greedy
+
+
+def test_lookup_block_length_doubles_on_acceptance_and_falls_after_a_rejection():
+    drafter = FreeDrafter(FreeDraft(max_len=16), [0, 1, 2])
+    start = drafter.lookup_len
+    drafter.record(start, start)
+    assert drafter.lookup_len == min(2 * start, 16)
+    drafter.record(drafter.lookup_len, 2)
+    assert drafter.lookup_len == 3
+    drafter.record(0, 0)
+    assert drafter.lookup_len == 3
+
+
+def test_a_proposal_with_neither_model_nor_free_draft_is_refused():
+    target, _ = target_and_draft()
+    with pytest.raises(ValueError, match="neither a draft model nor a free draft"):
+        speculative.program(target, None).run([0], Schedule(1, max_tokens=2))
