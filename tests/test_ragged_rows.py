@@ -30,3 +30,55 @@ def test_toy_length_is_refused_once_rows_differ():
         rows.length
     with pytest.raises(ValueError, match="truncate lengths"):
         rows.truncate_rows(torch.tensor([1, 2, 3]))
+
+
+@pytest.fixture(scope="module")
+def paged_llama():
+    from tests.tiny_llama import lm, tiny_llama
+
+    # tiny blocks, so prompts span several and a joined prompt shares full ones
+    return lm(tiny_llama(), kv_cache="paged", block_size=2)
+
+
+def test_paged_hf_rows_keep_the_laws_when_their_lengths_differ(paged_llama):
+    prompts = [[3, 1, 4, 1, 5], [3, 1, 4, 1, 9, 2, 6, 5], [7]]
+    c = continuation(64)
+    testing.assert_ragged_extend_matches_full_forward(paged_llama, prompts, c, atol=2e-5)
+    testing.assert_ragged_select_consistent(paged_llama, prompts, c, torch.tensor([2, 0, 2, 1]), atol=2e-5)
+    testing.assert_ragged_truncate_consistent(paged_llama, prompts, c, [0, 11, 6], atol=2e-5)
+    manager = paged_llama._paged.manager
+    manager.check_invariants()
+    assert manager.pool.live == 0 and len(manager.trie) == 0
+
+
+def test_paged_hf_join_computes_only_the_prompt_past_its_shared_prefix(paged_llama):
+    system = [3, 1, 4, 1, 5, 9, 2, 6]
+    rows, _ = paged_llama.open(system + [7], 2)
+    live = paged_llama._paged.manager.pool.live
+    calls = []
+    handle = paged_llama.model.register_forward_pre_hook(lambda module, args, kwargs: calls.append(kwargs["input_ids"].shape), with_kwargs=True)
+    try:
+        logits = rows.join(system + [8, 8], 3)
+    finally:
+        handle.remove()
+    # the 4 full blocks of the system prompt are shared: one forward over the last 2 positions
+    assert calls == [(1, 2)]
+    assert paged_llama._paged.manager.pool.live == live + 1
+    assert (logits - testing.fresh_logits(paged_llama, system + [8, 8])).abs().max() < 2e-5
+    assert rows.lengths.tolist() == [9, 9, 10, 10, 10]
+    rows.check_invariants()
+    rows.close()
+
+
+@pytest.mark.parametrize("kv_cache", ["copy", "static"])
+def test_backends_with_rows_of_one_length_refuse_ragged_rows_by_name(kv_cache):
+    from tests.tiny_llama import lm, tiny_llama
+
+    rows, _ = lm(tiny_llama(layers=1), kv_cache=kv_cache).open([3, 1, 4], 2)
+    with pytest.raises(NotImplementedError, match="Sequences keeps rows of one length only"):
+        rows.join([1, 2], 1)
+    with pytest.raises(NotImplementedError, match="cannot truncate rows to different lengths"):
+        rows.truncate_rows(torch.tensor([1, 2]))
+    # one common length is still a plain truncate
+    rows.truncate_rows(torch.tensor([2, 2]))
+    assert rows.length == 2

@@ -15,8 +15,10 @@ Invariants of `HFSequences`:
 - `length >= 1` (the prompt is never cropped away);
 - after `close()` the cache is gone and every other method raises ValueError.
 
-Logits come back as ordinary float32 tensors on the model's device (forwards run under
-`torch.inference_mode()`, whose outputs refuse in-place edits, so they are copied out of it).
+Weights, activations and KV are in the model's dtype (float32 or bfloat16, `smc_sd.backends.precision`).
+Logits come back as ordinary float32 tensors on the model's device, cast after the LM head
+(forwards run under `torch.inference_mode()`, whose outputs refuse in-place edits, so they are
+copied out of it).
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ from smc_sd.backends.base import (
     check_truncate,
 )
 from smc_sd.backends.paged_hf import DEFAULT_BLOCK_SIZE, PagedHFSequences, PagedKV
+from smc_sd.backends.precision import as_dtype
 from smc_sd.backends.static_hf import StaticHFSequences, StaticRuntime
 
 KV_CACHES = ("paged", "copy", "static")
@@ -95,7 +98,7 @@ class HFLanguageModel(LanguageModel):
         path,
         *,
         device: str | torch.device = "cpu",
-        dtype: torch.dtype = torch.float32,
+        dtype: torch.dtype | str = torch.float32,
         drop_layers: Sequence[int] = (),
         **options,
     ) -> HFLanguageModel:
@@ -104,11 +107,14 @@ class HFLanguageModel(LanguageModel):
         Args:
             path: a directory holding a transformers causal LM and its tokenizer.
             device: where the model runs.
-            dtype: the weights' dtype; logits are returned in float32 regardless.
+            dtype: the dtype of the weights, activations and KV: a torch dtype or a name of
+                `precision.DTYPES` ("auto": bfloat16 where the device multiplies bf16 natively);
+                logits are returned in float32 regardless.
             drop_layers: decoder layer indices to remove, making a cheaper self-speculative draft.
             options: `kv_cache` and `block_size`, passed to the constructor.
         """
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
+        dtype = as_dtype(dtype, device)
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True)
         tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
         if drop_layers:
@@ -117,7 +123,7 @@ class HFLanguageModel(LanguageModel):
 
     @classmethod
     def default(cls, device: str | torch.device = "cpu", **options) -> HFLanguageModel:
-        """The embedded default model, SmolLM2-135M-Instruct in fp32."""
+        """The embedded default model, SmolLM2-135M-Instruct (float32 unless `options` give a `dtype`)."""
         from smc_sd.models.smollm2 import default_model_dir
 
         return cls.from_pretrained(default_model_dir(), device=device, **options)
@@ -195,23 +201,39 @@ class HFLanguageModel(LanguageModel):
     ) -> torch.Tensor:
         """One cached forward: append `tokens` at positions start .. start+L-1 of every row.
 
+        Rows of different lengths (a [B] `start`) need a cache whose every layer returns row b's
+        keys at positions 0 .. T - 1 in that order, T = max(start) + L, whatever lies past the
+        row's own start[b] + L; the additive mask lets the query at position p see keys j <= p.
+
         Args:
             tokens: [B, L] int64 on the model's device.
-            start: the cache's current length.
+            start: the cache's current length: an int, or [B] int64, each row's own.
             cache: the rows' transformers Cache; grows by L positions.
             last_only: compute logits for the last position only.
 
         Returns:
             [B, L, V] float32 logits ([B, 1, V] with `last_only`).
         """
-        # [1, L]: the same positions for every row, broadcast over B
-        positions = torch.arange(start, start + tokens.shape[1], device=tokens.device)[None]
+        steps = torch.arange(tokens.shape[1], device=tokens.device)
+        masking = {}
+        if isinstance(start, torch.Tensor):
+            # [B, L]: every row's own positions
+            positions = start.to(tokens.device)[:, None] + steps[None, :]
+            keys = torch.arange(int(start.max()) + tokens.shape[1], device=tokens.device)
+            dtype = self.model.dtype
+            # [B, 1, L, T]: 0 where key j <= the query's position, the dtype's minimum elsewhere
+            hidden = keys[None, None, None, :] > positions[:, None, :, None]
+            masking["attention_mask"] = torch.zeros(hidden.shape, dtype=dtype, device=tokens.device).masked_fill(hidden, torch.finfo(dtype).min)
+        else:
+            # [1, L]: the same positions for every row, broadcast over B
+            positions = (start + steps)[None]
         with torch.inference_mode():
             out = self.model(
                 input_ids=tokens,
                 position_ids=positions,
                 use_cache=True,
                 logits_to_keep=1 if last_only else 0,
+                **masking,
                 **{self._cache_kwarg: cache},
             )
         return out.logits.to(torch.float32, copy=True)

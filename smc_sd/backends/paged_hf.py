@@ -9,6 +9,13 @@
    S + L positions of every row, gathered through the block tables into [B, H, S + L, D];
 3. the blocks that became full enter the token trie, where equal blocks merge.
 
+Rows may differ in length (`join` adds rows of another prompt, `truncate_rows` rolls rows back to
+their own lengths): row b of length S_b appends at positions S_b .. S_b + L - 1, every layer
+gathers positions 0 .. max_b S_b + L - 1 of every row, and an attention mask hides, for each
+query, the keys past its own position (a shorter row's tail). A joined prompt shares the blocks
+of its prefix that the trie already holds (a system prompt common to several requests is stored
+and computed once) and computes only the rest.
+
 Rows share prefixes by pointer: the prompt is computed once and its blocks are shared by all N
 rows; `select` (resampling, forking) copies block ids and adjusts counts, never KV bytes.
 
@@ -27,7 +34,7 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from smc_sd.backends.base import Sequences, check_extend, check_rows, check_truncate
+from smc_sd.backends.base import Sequences, check_extend, check_join, check_rows, check_truncate, check_truncate_rows
 from smc_sd.cache.manager import KVCacheManager
 from smc_sd.cache.store import KVStore
 from smc_sd.models.feature_draft import capture_layer_outputs
@@ -105,7 +112,7 @@ class PagedKV:
 
 
 class PagedHFSequences(Sequences):
-    """B equal-length rows of an `HFLanguageModel`, held as block tables over its `PagedKV`."""
+    """B rows of an `HFLanguageModel`, held as block tables over its `PagedKV`."""
 
     def __init__(self, lm, kv: PagedKV, table):
         self._lm, self._kv, self._table = lm, kv, table
@@ -145,8 +152,12 @@ class PagedHFSequences(Sequences):
         return self._table.length
 
     @property
+    def lengths(self) -> torch.Tensor:
+        return self._table.lengths.clone()
+
+    @property
     def tokens(self) -> torch.Tensor:
-        """[B, length] int64 (CPU) token ids of every row."""
+        """[B, length] int64 (CPU) token ids of every row (PAD, -1, past a shorter row's own)."""
         return self._table.tokens
 
     @property
@@ -163,9 +174,37 @@ class PagedHFSequences(Sequences):
     def extend(self, tokens: torch.Tensor) -> torch.Tensor:
         """Append tokens [B, L] int64 to every row; return logits [B, L, V] float32."""
         self._check_open()
-        check_extend(tokens, self.batch_size, self.length, self._lm.max_length)
+        check_extend(tokens, self.batch_size, int(self._table.lengths.max()), self._lm.max_length)
         plan = self._kv.manager.append(self._table, tokens)
         return self._forward(tokens, plan)
+
+    def join(self, prompt: list[int], count: int) -> torch.Tensor:
+        """Add `count` rows holding `prompt`; its prefix already in the trie is shared, not
+        recomputed. Returns the logits after the prompt, [V] float32."""
+        self._check_open()
+        check_join(prompt, count, self._lm.max_length)
+        self._refuse_features("join")
+        manager = self._kv.manager
+        table, plan = manager.open_shared(prompt)
+        rows = PagedHFSequences(self._lm, self._kv, table)
+        try:
+            logits = rows._forward(torch.tensor([prompt[len(prompt) - plan.slots.shape[1] :]]), plan, last_only=True)
+            manager.select(table, torch.zeros(count, dtype=torch.int64))
+        except BaseException:
+            rows.close()
+            raise
+        manager.join(self._table, table)
+        return logits[0, -1]
+
+    def truncate_rows(self, lengths: torch.Tensor) -> None:
+        """Keep the first lengths[b] positions of row b."""
+        self._check_open()
+        lengths = check_truncate_rows(lengths, self._table.lengths)
+        if bool((lengths != lengths[0]).any()):
+            self._refuse_features("truncate_rows")
+        self._kv.manager.truncate_rows(self._table, lengths)
+        if self._features is not None:
+            self._features = self._features[:, : int(lengths[0])]
 
     def select(self, rows: torch.Tensor) -> None:
         """Make row i a copy of old row rows[i]: block ids are copied, KV bytes are not."""
@@ -204,11 +243,13 @@ class PagedHFSequences(Sequences):
             [B, L, V] float32 logits ([B, 1, V] with `last_only`).
         """
         manager, store, device = self._kv.manager, self._kv.store, self._lm.device
-        start = self.length - tokens.shape[1]
+        # [B]: each row's length before these tokens; one int when the rows have one length
+        starts = self._table.lengths - tokens.shape[1]
+        start = int(starts[0]) if bool((starts == starts[0]).all()) else starts
         store.ensure_capacity(manager.pool.capacity)
         store.copy_blocks(plan.copies)
         cache = paged_cache(
-            store, start, plan.slots.to(device), manager.slots(self._table).to(device)
+            store, int(starts.max()), plan.slots.to(device), manager.slots(self._table).to(device)
         )
         if not self._feature_layers:
             logits = self._lm._forward(tokens.to(device=device, dtype=torch.long), start, cache, last_only)
@@ -217,8 +258,12 @@ class PagedHFSequences(Sequences):
                 logits = self._lm._forward(tokens.to(device=device, dtype=torch.long), start, cache, last_only)
             # [B, L, m·D] appended to the kept [B, start, m·D]
             self._features = captured[0] if self._features is None else torch.cat([self._features, captured[0]], 1)
-        manager.commit(self._table, start)
+        manager.commit(self._table, starts)
         return logits
+
+    def _refuse_features(self, operation: str) -> None:
+        if self._feature_layers:
+            raise NotImplementedError(f"PagedHFSequences that keep features hold rows of one length only: {operation} needs rows of several lengths")
 
     def _check_open(self) -> None:
         if self._table.closed:
