@@ -24,13 +24,16 @@ import time
 
 import torch
 
+from smc_sd.backends.precision import DTYPES as HF_DTYPES
+from smc_sd.backends.precision import Precision, choose_precision
 from smc_sd.compiler.plan import check_settings
 from smc_sd.engine.result import AllParticlesDiedError
 from smc_sd.program import Schedule
 from smc_sd.programs import MODULES, get
 
 
-VLLM_DTYPES = ["float32", "bfloat16", "float16", "auto"]
+# --dtype: "auto" is `smc_sd.backends.precision`'s choice on either backend; float16 is vLLM's only
+DTYPES = [*HF_DTYPES, "float16"]
 
 
 class ArgumentParser(argparse.ArgumentParser):
@@ -81,7 +84,7 @@ def add_model_flags(g: argparse.ArgumentParser) -> None:
     g.add_argument("--backend", choices=["hf", "vllm"], default="hf", help="transformers (hf) or a vLLM engine per model")
     g.add_argument("--tensor-parallel-size", type=int, default=None, help="vllm: GPUs each model is split over (default 1)")
     g.add_argument("--gpu-memory-utilization", type=float, default=None, help="vllm: fraction of GPU memory per engine (default 0.9)")
-    g.add_argument("--dtype", default=None, choices=VLLM_DTYPES, help="vllm: weights dtype (default float32)")
+    g.add_argument("--dtype", default="auto", choices=DTYPES, help="weights, activations and KV of both models (logits stay float32): auto (the default: bfloat16 where the processor multiplies bf16 natively, i.e. x86 amx_bf16 or avx512_bf16, or CUDA bf16 support; else float32), float32, bfloat16, or float16 (vllm only)")
 
 
 def check_request(args):
@@ -188,12 +191,15 @@ def check_model_choice(args) -> None:
 
 
 def check_vllm_options(args) -> None:
-    """Refuse vLLM engine options without --backend vllm (they would be ignored) and bad values."""
+    """Refuse vLLM engine options without --backend vllm (they would be ignored), bad values, and
+    a --dtype the hf backend cannot take."""
     if args.backend != "vllm":
         for flag, value in (("--tensor-parallel-size", args.tensor_parallel_size),
-                            ("--gpu-memory-utilization", args.gpu_memory_utilization), ("--dtype", args.dtype)):
+                            ("--gpu-memory-utilization", args.gpu_memory_utilization)):
             if value is not None:
                 raise ValueError(f"{flag} is an option of --backend vllm; the hf backend would ignore it")
+        if args.dtype not in HF_DTYPES:
+            raise ValueError(f"--dtype {args.dtype} runs on --backend vllm only; the hf backend takes {', '.join(HF_DTYPES)}")
         return
     if args.tensor_parallel_size is not None and args.tensor_parallel_size < 1:
         raise ValueError(f"--tensor-parallel-size must be >= 1, got {args.tensor_parallel_size}")
@@ -201,8 +207,16 @@ def check_vllm_options(args) -> None:
         raise ValueError(f"--gpu-memory-utilization must lie in (0, 1], got {args.gpu_memory_utilization}")
 
 
+def model_precision(args) -> Precision:
+    """The dtype --dtype means for both models on --device (`smc_sd.backends.precision`)."""
+    if args.dtype == "float16":
+        return Precision(torch.float16, "asked for")
+    return choose_precision(args.dtype, args.device)
+
+
 def load_models(args):
-    """The target and (for methods that draft) the draft, as HFLanguageModels (or vLLM engines).
+    """The target and (for methods that draft) the draft, as HFLanguageModels (or vLLM engines),
+    in the dtype of `model_precision`.
 
     Raises:
         ValueError: when a model directory does not load, naming it (one line).
@@ -217,12 +231,13 @@ def load_models(args):
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     # stderr carries the CLI's own progress line; transformers' per-load bars would clutter it
     transformers_logging.disable_progress_bar()
+    dtype = model_precision(args).dtype
     with loading("--target", args.target):
-        target = HFLanguageModel.default(args.device) if args.target is None else HFLanguageModel.from_pretrained(args.target, device=args.device)
+        target = HFLanguageModel.default(args.device, dtype=dtype) if args.target is None else HFLanguageModel.from_pretrained(args.target, device=args.device, dtype=dtype)
     if model_count(args) == 1:
         return target, None
     with loading("--draft", args.draft):
-        return target, named_draft(args.draft, args.target, args.device, target=target)
+        return target, named_draft(args.draft, args.target, args.device, target=target, dtype=dtype)
 
 
 @contextlib.contextmanager
@@ -254,7 +269,7 @@ def load_vllm_models(args):
     from smc_sd.backends.vllm import VLLMLanguageModel, VLLMOptions
 
     given = {"tensor_parallel_size": args.tensor_parallel_size,
-             "gpu_memory_utilization": args.gpu_memory_utilization, "dtype": args.dtype}
+             "gpu_memory_utilization": args.gpu_memory_utilization, "dtype": model_precision(args).name}
     options = VLLMOptions(
         **{name: value for name, value in given.items() if value is not None},
         # a GPU sizes its KV cache from the memory fraction; the CPU default keeps 1 GiB
@@ -362,6 +377,7 @@ def generate(args) -> int:
     from smc_sd.backends.hf import chat_prompt
 
     module, options, schedule = check_request(args)
+    precision = model_precision(args)
     started = time.perf_counter()
     target, draft = load_models(args)
     load_seconds = time.perf_counter() - started
@@ -383,6 +399,8 @@ def generate(args) -> int:
             seed=args.seed,
             temperature=args.temperature,
             alpha=args.alpha,
+            dtype=precision.name,
+            dtype_reason=precision.reason,
         )
         print(json.dumps(summary))
     else:
@@ -390,7 +408,7 @@ def generate(args) -> int:
         print()
         print(
             f"\r[{len(result.tokens)} tokens in {result.seconds:.2f} s, {result.tokens_per_second:.2f} tok/s, "
-            f"{result.target_passes} target passes, {result.resamples} resamples, log Z {result.log_ml:.3f}]",
+            f"{result.target_passes} target passes, {result.resamples} resamples, log Z {result.log_ml:.3f}, {precision.name}]",
             file=sys.stderr,
         )
     if not result.complete:

@@ -25,6 +25,7 @@ from transformers import AutoTokenizer
 from smc_sd.backends.base import LanguageModel
 from smc_sd.backends.feature_draft import FeatureDraftLM
 from smc_sd.backends.hf import HFLanguageModel
+from smc_sd.backends.precision import as_dtype
 from smc_sd.backends.restricted_vocab import RestrictedVocabLM
 from smc_sd.models.draft import DRAFT_DIR, is_draft_dir, load_draft_model
 from smc_sd.models.feature_draft import FEATURE_DRAFT_DIR, is_feature_draft_dir, load_feature_draft
@@ -34,7 +35,9 @@ from smc_sd.models.smollm2 import default_model_dir
 PACKAGE_DRAFTS = ("self", "distilled", "feature")
 
 
-def named_draft(name: str | None, target_dir=None, device: str | torch.device = "cpu", target=None) -> LanguageModel:
+def named_draft(
+    name: str | None, target_dir=None, device: str | torch.device = "cpu", target=None, dtype: torch.dtype | str = torch.float32
+) -> LanguageModel:
     """The draft a `--draft` value names (module docstring).
 
     Args:
@@ -43,48 +46,53 @@ def named_draft(name: str | None, target_dir=None, device: str | torch.device = 
             (default: the default model).
         device: where the draft runs (a feature draft runs where its target does).
         target: the loaded target; needed by a feature draft, which reads its hidden states.
+        dtype: the draft's weights, activations and KV (a torch dtype or a name of
+            `precision.DTYPES`); a feature draft takes its target's dtype, whose modules it shares.
 
     Raises:
         ValueError: for a feature draft without `target`.
     """
+    dtype = as_dtype(dtype, device)
     if name is None:
-        return HFLanguageModel.default_draft(device)
+        return HFLanguageModel.default_draft(device, dtype=dtype)
     if name == "self":
-        return HFLanguageModel.self_draft(device)
+        return HFLanguageModel.self_draft(device, dtype=dtype)
     if name == "distilled":
-        return distilled_draft(device)
+        return distilled_draft(device, dtype=dtype)
     if name == "feature" or is_feature_draft_dir(name):
         if target is None:
             raise ValueError("a feature draft reads its target's hidden states: load the target first and pass it")
         return FeatureDraftLM(target, load_feature_draft(target.model, FEATURE_DRAFT_DIR if name == "feature" else name))
     if is_draft_dir(name):
-        return load_distilled_draft(target_dir or default_model_dir(), name, device=device)
-    return HFLanguageModel.from_pretrained(name, device=device)
+        return load_distilled_draft(target_dir or default_model_dir(), name, device=device, dtype=dtype)
+    return HFLanguageModel.from_pretrained(name, device=device, dtype=dtype)
 
 
-def distilled_draft(device: str | torch.device = "cpu", **options) -> RestrictedVocabLM:
-    """The draft distilled from the default model and shipped with the package.
+def distilled_draft(device: str | torch.device = "cpu", dtype: torch.dtype | str = torch.float32, **options) -> RestrictedVocabLM:
+    """The draft distilled from the default model and shipped with the package, in `dtype`.
 
     Six decoder layers over the target's own embedding, scoring a restricted vocabulary
     (q = 0 elsewhere); see `smc_sd.models.draft` and the recipe `smc_sd.models.distill`.
     `options` go to `RestrictedVocabLM` (`kv_cache`, `block_size`).
     """
-    return load_distilled_draft(default_model_dir(), device=device, **options)
+    return load_distilled_draft(default_model_dir(), device=device, dtype=dtype, **options)
 
 
 def load_distilled_draft(
     target_dir: pathlib.Path,
     draft_dir: pathlib.Path = DRAFT_DIR,
     device: str | torch.device = "cpu",
+    dtype: torch.dtype | str = torch.float32,
     **options,
 ) -> RestrictedVocabLM:
-    """The draft saved by the distillation recipe in draft_dir, in float32, with the embedding and
-    tokenizer of the target in target_dir; `options` go to `RestrictedVocabLM`.
+    """The draft saved by the distillation recipe in draft_dir, dequantised into `dtype` (a torch
+    dtype or a name of `precision.DTYPES`), with the embedding and tokenizer of the target in
+    target_dir; `options` go to `RestrictedVocabLM`.
 
     Raises:
         FileNotFoundError: if either directory lacks its weights.
     """
-    model, vocab_ids = load_draft_model(target_dir, draft_dir)
+    model, vocab_ids = load_draft_model(target_dir, draft_dir, as_dtype(dtype, device))
     tokenizer = AutoTokenizer.from_pretrained(target_dir, local_files_only=True)
     return RestrictedVocabLM(model.to(device), tokenizer, vocab_ids, **options)
 

@@ -13,6 +13,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 import smc_sd.cli as cli
 from smc_sd.backends.hf import HFLanguageModel
+from smc_sd.backends.precision import choose_precision
 
 PROMPT = "a b"
 WORDS = ["<eos>", "<unk>", "a", "b", "c", "d"]
@@ -117,7 +118,8 @@ BEFORE_LOADING = [
     (["--device", "cuda:99"], "--device cuda:99: this machine has"),
     (["--seed", "-1"], "--seed must lie in 0 .. 2^64 - 1"),
     (["--tensor-parallel-size", "2"], "--tensor-parallel-size is an option of --backend vllm"),
-    (["--dtype", "bfloat16"], "--dtype is an option of --backend vllm"),
+    (["--dtype", "float16"], "--dtype float16 runs on --backend vllm only; the hf backend takes auto, float32, bfloat16"),
+    (["--dtype", "int3"], "argument --dtype: invalid choice: 'int3'"),
     (["--backend", "vllm", "--tensor-parallel-size", "0"], "--tensor-parallel-size must be >= 1"),
     (["--backend", "vllm", "--gpu-memory-utilization", "1.5"], "--gpu-memory-utilization must lie in (0, 1]"),
     (["--backend", "vllm", "--dtype", "int3"], "argument --dtype: invalid choice: 'int3'"),
@@ -176,6 +178,26 @@ def test_good_flags_pass_every_check(method, files, capsys):
     assert code == 0
     summary = json.loads(out)
     assert summary["method"] == method and 1 <= summary["new_tokens"] <= 5
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "auto"])
+def test_dtype_loads_both_models_in_it_and_the_json_names_it(dtype, files, monkeypatch, capsys):
+    loaded = []
+    from_pretrained = HFLanguageModel.from_pretrained.__func__
+
+    def spy(cls, *args, **kwargs):
+        model = from_pretrained(cls, *args, **kwargs)
+        loaded.append(model.model.dtype)
+        return model
+
+    monkeypatch.setattr(HFLanguageModel, "from_pretrained", classmethod(spy))
+    code, out, err = run_cli(["--method", "sd", "--target", files["tiny"], "--draft", files["tiny"], "--dtype", dtype,
+                              "--max-new-tokens", "5", "--raw", "--json", PROMPT], capsys)
+    assert code == 0, err
+    summary = json.loads(out)
+    expected = choose_precision(dtype)
+    assert loaded == [expected.dtype] * 2
+    assert summary["dtype"] == expected.name and summary["dtype_reason"] == expected.reason
 
 
 def test_every_particle_dying_is_one_line_with_status_1(files, monkeypatch, capsys):

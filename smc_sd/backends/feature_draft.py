@@ -117,8 +117,8 @@ class FeatureDraftRows(Sequences):
         self._cache: DynamicCache | None = DynamicCache()
         self._tokens = tokens
         width = model.target_config.hidden_size
-        # [B, n - 1, D] the draft's outputs o_{t+1} at every draft position t
-        self._outputs = torch.empty(tokens.shape[0], 0, width, device=self._device)
+        # [B, n - 1, D] the draft's outputs o_{t+1} at every draft position t, in its dtype
+        self._outputs = torch.empty(tokens.shape[0], 0, width, dtype=next(model.parameters()).dtype, device=self._device)
         # draft positions built from the target's true features
         self._true = 0
 

@@ -15,8 +15,10 @@ Invariants of `HFSequences`:
 - `length >= 1` (the prompt is never cropped away);
 - after `close()` the cache is gone and every other method raises ValueError.
 
-Logits come back as ordinary float32 tensors on the model's device (forwards run under
-`torch.inference_mode()`, whose outputs refuse in-place edits, so they are copied out of it).
+Weights, activations and KV are in the model's dtype (float32 or bfloat16, `smc_sd.backends.precision`).
+Logits come back as ordinary float32 tensors on the model's device, cast after the LM head
+(forwards run under `torch.inference_mode()`, whose outputs refuse in-place edits, so they are
+copied out of it).
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ from smc_sd.backends.base import (
     check_truncate,
 )
 from smc_sd.backends.paged_hf import DEFAULT_BLOCK_SIZE, PagedHFSequences, PagedKV
+from smc_sd.backends.precision import as_dtype
 from smc_sd.backends.static_hf import StaticHFSequences, StaticRuntime
 
 KV_CACHES = ("paged", "copy", "static")
@@ -95,7 +98,7 @@ class HFLanguageModel(LanguageModel):
         path,
         *,
         device: str | torch.device = "cpu",
-        dtype: torch.dtype = torch.float32,
+        dtype: torch.dtype | str = torch.float32,
         drop_layers: Sequence[int] = (),
         **options,
     ) -> HFLanguageModel:
@@ -104,11 +107,14 @@ class HFLanguageModel(LanguageModel):
         Args:
             path: a directory holding a transformers causal LM and its tokenizer.
             device: where the model runs.
-            dtype: the weights' dtype; logits are returned in float32 regardless.
+            dtype: the dtype of the weights, activations and KV: a torch dtype or a name of
+                `precision.DTYPES` ("auto": bfloat16 where the device multiplies bf16 natively);
+                logits are returned in float32 regardless.
             drop_layers: decoder layer indices to remove, making a cheaper self-speculative draft.
             options: `kv_cache` and `block_size`, passed to the constructor.
         """
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
+        dtype = as_dtype(dtype, device)
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True)
         tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
         if drop_layers:
@@ -117,7 +123,7 @@ class HFLanguageModel(LanguageModel):
 
     @classmethod
     def default(cls, device: str | torch.device = "cpu", **options) -> HFLanguageModel:
-        """The embedded default model, SmolLM2-135M-Instruct in fp32."""
+        """The embedded default model, SmolLM2-135M-Instruct (float32 unless `options` give a `dtype`)."""
         from smc_sd.models.smollm2 import default_model_dir
 
         return cls.from_pretrained(default_model_dir(), device=device, **options)

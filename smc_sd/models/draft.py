@@ -84,18 +84,25 @@ def save_draft(model: LlamaForCausalLM, vocab_ids: torch.Tensor, out_dir: pathli
     (out_dir / "config.json").write_text(json.dumps(model.config.to_dict(), indent=1, sort_keys=True))
 
 
-def dequantize(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The stored tensors as float32 weights: s * Q for every int8 matrix, the rest cast."""
+def dequantize(state: dict[str, torch.Tensor], dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+    """The stored tensors as weights in `dtype`: s * Q (computed in float32, then rounded to dtype)
+    for every int8 matrix, the rest cast."""
     weights = {}
     for name, value in state.items():
         if name.endswith(SCALE):
             continue
-        weights[name] = dequantize_int8(value, state[name + SCALE]) if value.dtype == torch.int8 else value.float()
+        weight = dequantize_int8(value, state[name + SCALE]) if value.dtype == torch.int8 else value
+        weights[name] = weight.to(dtype)
     return weights
 
 
-def load_draft_model(target_dir: pathlib.Path, draft_dir: pathlib.Path = DRAFT_DIR) -> tuple[LlamaForCausalLM, torch.Tensor]:
-    """The draft saved in draft_dir, in float32 on the CPU, over the embedding of the target in target_dir.
+def load_draft_model(
+    target_dir: pathlib.Path, draft_dir: pathlib.Path = DRAFT_DIR, dtype: torch.dtype = torch.float32
+) -> tuple[LlamaForCausalLM, torch.Tensor]:
+    """The draft saved in draft_dir, in `dtype` on the CPU, over the embedding of the target in target_dir.
+
+    In bfloat16 the draft is W' = s Q rounded to bfloat16 (and the target's embedding rounded
+    alike): q is computed from those weights, so it is still exactly what the draft samples.
 
     Returns:
         The model (its head [V_S, 576]) and the ids of S, [V_S] int64.
@@ -111,7 +118,7 @@ def load_draft_model(target_dir: pathlib.Path, draft_dir: pathlib.Path = DRAFT_D
         state[EMBEDDING] = weights.get_tensor(EMBEDDING)
     with torch.device("meta"):
         model = build_student(config, config.num_hidden_layers, vocab_ids)
-    model.load_state_dict(dequantize(state), strict=True, assign=True)
+    model.load_state_dict(dequantize(state, dtype), strict=True, assign=True)
     # the rotary tables are buffers computed at construction, not stored weights
     model.model.rotary_emb = type(model.model.rotary_emb)(config=config)
     return model, vocab_ids

@@ -115,8 +115,8 @@ class FeatureDraft(torch.nn.Module):
         return draft
 
     def hidden(self, features: torch.Tensor) -> torch.Tensor:
-        """h = fuse(F): [..., m·D] -> [..., D]."""
-        return self.fuse(features)
+        """h = fuse(F): [..., m·D] -> [..., D] in the draft's dtype (F may be float32)."""
+        return self.fuse(features.to(self.fc.weight.dtype))
 
     def logits(self, outputs: torch.Tensor) -> torch.Tensor:
         """[..., D] outputs o -> [..., V] float32 logits head(norm(o))."""
@@ -128,11 +128,11 @@ class FeatureDraft(torch.nn.Module):
 
         Args:
             tokens: [B, L] int64, x_{t+1} for each position t.
-            hidden: [B, L, D] float32, h_t for each position t.
+            hidden: [B, L, D] in the draft's dtype, h_t for each position t.
             cache: a DynamicCache of this draft's one layer; grows by L positions.
 
         Returns:
-            [B, L, D] float32 outputs o_{t+1}.
+            [B, L, D] outputs o_{t+1}, in the draft's dtype.
         """
         embed = self._target[0]
         length = tokens.shape[1]
@@ -141,7 +141,7 @@ class FeatureDraft(torch.nn.Module):
         positions = torch.arange(start, start + length, device=tokens.device)[None]
         # [1, 1, L, start + L] additive causal mask over the cached and the new positions
         allowed = torch.ones(length, start + length, dtype=torch.bool, device=tokens.device).tril(start)
-        mask = torch.zeros(allowed.shape, device=tokens.device).masked_fill(~allowed, torch.finfo(torch.float32).min)
+        mask = torch.zeros(allowed.shape, dtype=inputs.dtype, device=tokens.device).masked_fill(~allowed, torch.finfo(inputs.dtype).min)
         return self.layer(
             inputs,
             attention_mask=mask[None, None],
@@ -221,7 +221,7 @@ class FeatureDraft(torch.nn.Module):
 
 
 def load_feature_draft(target, draft_dir: pathlib.Path = FEATURE_DRAFT_DIR) -> FeatureDraft:
-    """The draft saved in draft_dir, in float32, over the modules of the transformers CausalLM `target`.
+    """The draft saved in draft_dir, in the target's dtype, over the modules of the transformers CausalLM `target`.
 
     Raises:
         FileNotFoundError: if draft_dir holds no saved draft.
@@ -237,8 +237,9 @@ def load_feature_draft(target, draft_dir: pathlib.Path = FEATURE_DRAFT_DIR) -> F
             raise ValueError(f"the feature draft in {draft_dir} was trained for a target with {key} "
                              f"{getattr(trained_for, key)}, this target has {getattr(target.config, key)}")
     draft = FeatureDraft(target.config, tuple(config["feature_layers"]), target.get_input_embeddings(), target.model.norm, target.lm_head)
-    state = {name: value.float() for name, value in load_file(str(draft_dir / WEIGHTS)).items()}
-    draft.load_state_dict(state, strict=True)
+    state = {name: value.to(target.dtype) for name, value in load_file(str(draft_dir / WEIGHTS)).items()}
+    # assign: the parameters take the stored tensors' dtype (the rotary tables stay float32)
+    draft.load_state_dict(state, strict=True, assign=True)
     return draft.to(target.device).eval()
 
 
