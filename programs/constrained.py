@@ -16,7 +16,7 @@ from smc_sd.programs import smc_speculative
 DEFAULT_PARTICLES = 4
 
 
-def potentials(*, regex: str | None = None, grammar: str | None = None, json_schema=None) -> tuple:
+def potentials(*, regex: str | None = None, grammar: str | None = None, json_schema=None, json_layout: str = "compact") -> tuple:
     """The constraints given (any combination, conjoined), each a genlm-control potential over
     bytes lowered to llguidance masks.
 
@@ -25,6 +25,8 @@ def potentials(*, regex: str | None = None, grammar: str | None = None, json_sch
         grammar: a Lark grammar the output must parse under (`Grammar`).
         json_schema: a JSON schema (dict, JSON text or file path) the output must validate
             against (`JsonSchema`).
+        json_layout: the JSON's layout, "compact" (no whitespace, fixed separators: keys and
+            punctuation are forced) or "flexible" (any whitespace between tokens).
 
     Raises:
         ValueError: naming the problem, for an invalid regex, grammar or schema.
@@ -37,7 +39,7 @@ def potentials(*, regex: str | None = None, grammar: str | None = None, json_sch
     if grammar is not None:
         out.append(Grammar(grammar))
     if json_schema is not None:
-        out.append(JsonSchema(json_schema))
+        out.append(JsonSchema(json_schema, json_layout))
     return tuple(out)
 
 

@@ -61,6 +61,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--regex", default=None, help="constrain the output to match this regular expression")
     g.add_argument("--grammar", default=None, metavar="FILE.lark", help="constrain the output to this Lark grammar")
     g.add_argument("--json-schema", default=None, metavar="FILE.json", help="constrain the output to JSON valid under this schema")
+    g.add_argument("--json-layout", default="compact", choices=["compact", "flexible"], help="the JSON's whitespace: compact (the default: none, separators ',' and ':', so keys and punctuation are forced and a free draft proposes them) or flexible (any whitespace between tokens)")
     g.add_argument("--raw", action="store_true", help="use the prompt as is, without the chat template")
     g.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     add_model_flags(g)
@@ -79,7 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
 def add_model_flags(g: argparse.ArgumentParser) -> None:
     """The flags that choose the models and where they run (generate and serve)."""
     g.add_argument("--target", default=None, help="local transformers model directory (default: SmolLM2-135M-Instruct)")
-    g.add_argument("--draft", default=None, help="local model directory sharing the target's tokenizer, a draft saved by smc_sd.models.distill or smc_sd.models.feature_distill, 'self' (the default model without decoder layer 5, the default), 'distilled' (the shipped distilled draft) or 'feature' (the shipped feature-reading draft); distilled and feature drafts run on --backend hf only")
+    g.add_argument("--draft", default=None, help="local model directory sharing the target's tokenizer, a draft saved by smc_sd.models.distill or smc_sd.models.feature_distill, 'self' (the default model without decoder layer 5, the default), 'distilled' (the shipped distilled draft) or 'feature' (the shipped feature-reading draft); distilled and feature drafts run on --backend hf only; 'free' (no model: tokens the constraints force and continuations found in the prompt and the text so far, verified by sd or mask-at-verify) or 'free+NAME' (free where it proposes, the draft NAME elsewhere)")
     g.add_argument("--device", default="cpu", help="cpu or cuda")
     g.add_argument("--backend", choices=["hf", "vllm"], default="hf", help="transformers (hf) or a vLLM engine per model")
     g.add_argument("--tensor-parallel-size", type=int, default=None, help="vllm: GPUs each model is split over (default 1)")
@@ -172,7 +173,7 @@ def check_model_choice(args) -> None:
     """Refuse model choices that cannot work, before loading anything: paths that hold no model,
     a --draft for ar, a package draft (a draft of the default model) or no draft with another
     --target, and on vLLM a distilled restricted-vocabulary or a feature-reading draft."""
-    from smc_sd.drafts import PACKAGE_DRAFTS, needs_hf_backend
+    from smc_sd.drafts import PACKAGE_DRAFTS, needs_hf_backend, parse_draft
 
     if args.target is not None:
         check_model_dir("--target", args.target)
@@ -180,14 +181,17 @@ def check_model_choice(args) -> None:
         if args.draft is not None:
             raise ValueError(f"--method {args.method} drafts nothing; drop --draft or use sd or smc-sd")
         return
-    if args.draft not in (None, *PACKAGE_DRAFTS):
-        check_model_dir("--draft", args.draft)
-    if args.draft in PACKAGE_DRAFTS and args.target is not None:
-        raise ValueError(f"--draft {args.draft} is a draft of the default model; with --target give a --draft model directory")
-    if args.draft is None and args.target is not None:
-        raise ValueError(f"--method {args.method} with --target needs a --draft model directory")
-    if args.backend == "vllm" and needs_hf_backend(args.draft):
-        raise ValueError(f"--draft {args.draft}: a distilled restricted-vocabulary or feature-reading draft runs on --backend hf only")
+    choice = parse_draft(args.draft)
+    if not choice.has_lm:
+        return
+    if choice.lm not in (None, *PACKAGE_DRAFTS):
+        check_model_dir("--draft", choice.lm)
+    if choice.lm in PACKAGE_DRAFTS and args.target is not None:
+        raise ValueError(f"--draft {choice.lm} is a draft of the default model; with --target give a --draft model directory")
+    if choice.lm is None and args.target is not None:
+        raise ValueError(f"--method {args.method} with --target needs a --draft model directory (or --draft free)")
+    if args.backend == "vllm" and needs_hf_backend(choice.lm):
+        raise ValueError(f"--draft {choice.lm}: a distilled restricted-vocabulary or feature-reading draft runs on --backend hf only")
 
 
 def check_vllm_options(args) -> None:
@@ -226,7 +230,7 @@ def load_models(args):
     from transformers.utils import logging as transformers_logging
 
     from smc_sd.backends.hf import HFLanguageModel
-    from smc_sd.drafts import named_draft
+    from smc_sd.drafts import named_draft, parse_draft
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     # stderr carries the CLI's own progress line; transformers' per-load bars would clutter it
@@ -234,10 +238,11 @@ def load_models(args):
     dtype = model_precision(args).dtype
     with loading("--target", args.target):
         target = HFLanguageModel.default(args.device, dtype=dtype) if args.target is None else HFLanguageModel.from_pretrained(args.target, device=args.device, dtype=dtype)
-    if model_count(args) == 1:
+    choice = parse_draft(args.draft)
+    if model_count(args) == 1 or not choice.has_lm:
         return target, None
-    with loading("--draft", args.draft):
-        return target, named_draft(args.draft, args.target, args.device, target=target, dtype=dtype)
+    with loading("--draft", choice.lm):
+        return target, named_draft(choice.lm, args.target, args.device, target=target, dtype=dtype)
 
 
 @contextlib.contextmanager
@@ -267,6 +272,7 @@ def load_vllm_models(args):
     vLLM cannot serve the package's distilled restricted-vocabulary draft).
     """
     from smc_sd.backends.vllm import VLLMLanguageModel, VLLMOptions
+    from smc_sd.drafts import parse_draft
 
     given = {"tensor_parallel_size": args.tensor_parallel_size,
              "gpu_memory_utilization": args.gpu_memory_utilization, "dtype": model_precision(args).name}
@@ -278,12 +284,13 @@ def load_vllm_models(args):
     )
     with loading("--target", args.target):
         target = VLLMLanguageModel(args.target, options) if args.target else VLLMLanguageModel.default(options)
-    if model_count(args) == 1:
+    choice = parse_draft(args.draft)
+    if model_count(args) == 1 or not choice.has_lm:
         return target, None
     # check_model_choice has refused a distilled draft and a --target without a --draft
-    if args.draft not in (None, "self"):
-        with loading("--draft", args.draft):
-            return target, VLLMLanguageModel(args.draft, options)
+    if choice.lm not in (None, "self"):
+        with loading("--draft", choice.lm):
+            return target, VLLMLanguageModel(choice.lm, options)
     return target, VLLMLanguageModel.self_draft(options)
 
 
@@ -307,7 +314,30 @@ def program_options(module, settings, constraints: tuple, spell=flag) -> dict:
         if "constraints" not in accepted:
             raise ValueError(f"{method} takes no constraints; use smc-sd or mask-at-verify")
         options["constraints"] = constraints
+    options.update(free_draft_option(settings, accepted, method))
     return {name: value for name, value in options.items() if name in accepted}
+
+
+def free_draft_option(settings, accepted, method: str) -> dict:
+    """{"free_draft": FreeDraft(...)} when the settings' draft ("free" or "free+NAME") asks for one.
+
+    With "free" alone --draft-len sets the free draft's longest block (there is no draft LM
+    for it to set); with "free+NAME" it stays the draft LM's K.
+
+    Raises:
+        ValueError: for a method that verifies no free draft.
+    """
+    from smc_sd.drafts import parse_draft
+    from smc_sd.program import FreeDraft
+
+    draft = getattr(settings, "draft", None)
+    if draft is None or not parse_draft(draft).free:
+        return {}
+    if "free_draft" not in accepted:
+        raise ValueError(f"{method} verifies no free draft; use sd or mask-at-verify with --draft {draft}")
+    if not parse_draft(draft).has_lm and settings.draft_len is not None:
+        return {"free_draft": FreeDraft(max_len=settings.draft_len)}
+    return {"free_draft": FreeDraft()}
 
 
 def parsed_constraints(args) -> tuple:
@@ -328,13 +358,15 @@ def parsed_constraints(args) -> tuple:
 
 def constraint_potentials(args) -> tuple:
     """The genlm-control potentials of --regex, --grammar and --json-schema (empty without them)."""
+    if getattr(args, "json_layout", "compact") != "compact" and args.json_schema is None:
+        raise ValueError("--json-layout applies to --json-schema; give a schema or drop it")
     if args.regex is None and args.grammar is None and args.json_schema is None:
         return ()
     from smc_sd.programs.constrained import potentials
 
     grammar = pathlib.Path(args.grammar).read_text() if args.grammar else None
     schema = json.loads(pathlib.Path(args.json_schema).read_text()) if args.json_schema else None
-    return potentials(regex=args.regex, grammar=grammar, json_schema=schema)
+    return potentials(regex=args.regex, grammar=grammar, json_schema=schema, json_layout=getattr(args, "json_layout", "compact"))
 
 
 class TextStream:
@@ -381,7 +413,7 @@ def generate(args) -> int:
     started = time.perf_counter()
     target, draft = load_models(args)
     load_seconds = time.perf_counter() - started
-    builder_args = (target,) if draft is None else (target, draft)
+    builder_args = (target,) if model_count(args) == 1 else (target, draft)
     program = module.program(*builder_args, **options)
     if args.raw:
         prompt = target.tokenizer.encode(args.prompt, add_special_tokens=False)
@@ -411,6 +443,8 @@ def generate(args) -> int:
             f"{result.target_passes} target passes, {result.resamples} resamples, log Z {result.log_ml:.3f}, {precision.name}]",
             file=sys.stderr,
         )
+    if result.reliability_warning is not None:
+        print(f"smc-sd: warning: {result.reliability_warning}", file=sys.stderr)
     if not result.complete:
         print(
             f"smc-sd: warning: no particle completed a string the constraints accept within "

@@ -18,6 +18,7 @@ is the one place that knows which model a name means and which backend class run
 from __future__ import annotations
 
 import pathlib
+from dataclasses import dataclass
 
 import torch
 from transformers import AutoTokenizer
@@ -33,6 +34,39 @@ from smc_sd.models.smollm2 import default_model_dir
 
 #: the --draft names of drafts of the default model shipped with the package
 PACKAGE_DRAFTS = ("self", "distilled", "feature")
+#: the --draft name of the model-free draft (`smc_sd.program.FreeDraft`); "free+NAME" adds a draft LM
+FREE = "free"
+
+
+@dataclass(frozen=True)
+class DraftChoice:
+    """What a --draft value asks for.
+
+    Attributes:
+        free: whether the model-free sources propose first.
+        lm: the draft LM's name or directory (None: the default draft), when `has_lm`.
+        has_lm: whether a draft LM runs at all ("free" alone runs none).
+    """
+
+    free: bool
+    lm: str | None
+    has_lm: bool
+
+
+def parse_draft(value: str | None) -> DraftChoice:
+    """Read a --draft value: None, NAME|DIR, "free", or "free+NAME|DIR".
+
+    Raises:
+        ValueError: for "free+" with nothing after it.
+    """
+    if value == FREE:
+        return DraftChoice(free=True, lm=None, has_lm=False)
+    if value is not None and value.startswith(FREE + "+"):
+        name = value[len(FREE) + 1 :]
+        if not name:
+            raise ValueError("--draft free+NAME needs a draft after the '+' (self, distilled, feature or a directory)")
+        return DraftChoice(free=True, lm=name, has_lm=True)
+    return DraftChoice(free=False, lm=value, has_lm=True)
 
 
 def named_draft(

@@ -94,7 +94,10 @@ BEFORE_LOADING = [
     (["--grammar", "{missing}"], "--grammar {missing}: cannot read it"),
     (["--grammar", "{binary}"], "--grammar {binary}: 'utf-8' codec"),
     (["--grammar", "{bad}"], "--grammar {bad}:"),
-    (["--method", "ar", "--regex", "a"], "--method ar takes no constraints"),
+    (["--method", "ar", "--draft", "free"], "--method ar drafts nothing"),
+    (["--draft", "free+"], "--draft free+NAME needs a draft after the '+'"),
+    (["--method", "sd", "--draft", "free+{missing}"], "--draft {missing}: no such directory"),
+    (["--method", "smc-sd", "--draft", "free"], "--method smc-sd verifies no free draft"),
     (["--method", "sd", "--regex", "a"], "--method sd takes no constraints"),
     (["--particles", "0"], "particles must be >= 1"),
     (["--particles", "two"], "argument --particles: invalid int value"),
@@ -218,3 +221,14 @@ def test_interrupt_is_one_line_with_status_130(files, monkeypatch, capsys):
     monkeypatch.setattr("smc_sd.program.spec.Program.run", interrupt)
     code, out, err = run_cli(["--method", "ar", "--target", files["tiny"], "--raw", PROMPT], capsys)
     assert code == 130 and out == "" and err == ["", "smc-sd: interrupted"]
+
+
+@pytest.mark.parametrize("draft", ["free", "free+{tiny}"])
+def test_free_drafts_run_from_the_command_line(draft, files, capsys):
+    code, out, _ = run_cli(["--method", "sd", "--target", files["tiny"], "--draft", draft.format(**files),
+                            "--max-new-tokens", "6", "--raw", "--json", PROMPT + " " + PROMPT], capsys)
+    assert code == 0
+    summary = json.loads(out)
+    assert summary["method"] == "sd" and 1 <= summary["new_tokens"] <= 6
+    # a free draft alone runs no draft model
+    assert (summary["draft_passes"] == 0) == (draft == "free")

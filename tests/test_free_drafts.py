@@ -15,7 +15,7 @@ from smc_sd.metrics import empirical, total_variation, tv_tolerance
 from smc_sd.program import FreeDraft, Schedule
 from smc_sd.program.grammars import Regex
 from smc_sd.program.potentials import as_token_constraint
-from smc_sd.programs import mask_at_verify, speculative
+from smc_sd.programs import autoregressive, mask_at_verify, speculative
 from tests.test_llguidance import WordLM
 from tests.toy_programs import target_and_draft
 
@@ -30,8 +30,8 @@ def run_all(program, prompt, max_tokens, n):
     for seed in range(n):
         result = program.run(prompt, Schedule(1, max_tokens=max_tokens), seed=seed)
         samples.append(tuple(result.tokens))
-        proposed += sum(c.proposed for c in result.cycles)
-        accepted += sum(c.accepted for c in result.cycles)
+        proposed += sum(c.proposed or 0 for c in result.cycles)
+        accepted += sum(c.accepted or 0 for c in result.cycles)
     return samples, proposed, accepted
 
 
@@ -90,3 +90,12 @@ def test_a_proposal_with_neither_model_nor_free_draft_is_refused():
     target, _ = target_and_draft()
     with pytest.raises(ValueError, match="neither a draft model nor a free draft"):
         speculative.program(target, None).run([0], Schedule(1, max_tokens=2))
+
+
+def test_constrained_ar_samples_the_local_projection():
+    lm = WordLM(["(", ")", "()", "(("], seed=2)
+    constraint = Regex(r"(\(\))+")
+    max_tokens, n = 4, 5000
+    samples, _, _ = run_all(autoregressive.program(lm, constraints=(constraint,)), [0], max_tokens, n)
+    exact, _ = lm.completion_distribution([0], max_tokens, constraint=as_token_constraint(constraint, lm), local=True)
+    assert total_variation(empirical(samples), exact) < tv_tolerance(exact, n)
