@@ -26,16 +26,30 @@ RESULTS = pathlib.Path(__file__).resolve().parent / "results"
 DRAFT_HELP = "'self' (the target without decoder layer 5, the default), 'distilled' (the shipped distilled draft), 'feature' (the shipped feature-reading draft) or a local draft model directory"
 
 
-def load_default_models(draft_dir: str | None = None):
-    """(target, draft): the embedded default model and the default draft, the self-speculative
-    draft ("self": the target without decoder layer 5), the shipped distilled draft ("distilled"),
-    the shipped feature-reading draft ("feature", paired with this target)
-    or a local draft directory."""
+# the help of every benchmark's --dtype option
+DTYPE_HELP = (
+    "dtype of the target and draft (logits stay float32): float32 (the default, comparable with earlier results), "
+    "bfloat16, or auto (bfloat16 where the CPU has amx_bf16 or avx512_bf16, else float32)"
+)
+
+
+def add_dtype_argument(parser) -> None:
+    """--dtype {auto,float32,bfloat16}, default float32; `choose_precision(args.dtype)` resolves it."""
+    from smc_sd.backends.precision import DTYPES
+
+    parser.add_argument("--dtype", choices=DTYPES, default="float32", help=DTYPE_HELP)
+
+
+def load_default_models(draft_dir: str | None = None, dtype=torch.float32):
+    """(target, draft) in `dtype` (a torch dtype or a `precision.DTYPES` name): the embedded
+    default model and the default draft, the self-speculative draft ("self": the target without
+    decoder layer 5), the shipped distilled draft ("distilled"), the shipped feature-reading draft
+    ("feature", paired with this target, in its dtype) or a local draft directory."""
     from smc_sd.backends.hf import HFLanguageModel
     from smc_sd.drafts import named_draft
 
-    target = HFLanguageModel.default()
-    return target, named_draft(draft_dir, target=target)
+    target = HFLanguageModel.default(dtype=dtype)
+    return target, named_draft(draft_dir, target=target, dtype=dtype)
 
 
 def describe_draft(draft: str | None) -> str:
@@ -98,10 +112,15 @@ def wilson_interval(successes: int, n: int, z: float = 1.96) -> tuple[float, flo
 
 
 def environment() -> dict:
-    """Where and when the numbers were measured."""
+    """Where and when the numbers were measured; `processor` is the CPU's model name and whether
+    it has native bf16 matrix instructions (which decide what bfloat16 costs)."""
+    from smc_sd.backends.precision import read_processor
+
+    processor = read_processor()
     return {
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "machine": platform.processor() or platform.machine(),
+        "processor": None if processor is None else processor.to_json(),
         "cpus": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "torch": torch.__version__,

@@ -21,8 +21,12 @@ grid) each prompt is decoded once with a fixed seed. Reported per configuration:
 On this project's CPU verification is not free (a [8, 5] forward costs about 3x a [1, 1] one),
 so CPU ratios show costs as measured; they are not GPU predictions (see gpu.py).
 
+Every configuration, ar and hf-generate included, runs in one dtype (`--dtype`, default float32;
+`auto` takes bfloat16 where the CPU multiplies bf16 natively); every row names it and the
+processor, and a run in another dtype than float32 writes its own results file.
+
 Usage: python benchmarks/speed.py [--max-tokens 128] [--prompts 4] [--grid] [--draft self|distilled|feature|DIR] [--kv-compare]
-       [--static-compare] [--labels "ar,sd K=2,smc-sd K=4 N=4"]
+       [--static-compare] [--labels "ar,sd K=2,smc-sd K=4 N=4"] [--dtype float32|bfloat16|auto]
 """
 
 from __future__ import annotations
@@ -31,7 +35,18 @@ import argparse
 import time
 from dataclasses import asdict, dataclass, field, replace
 
-from _common import DRAFT_HELP, build_program, describe_draft, emit, environment, load_default_models, mean_stderr, pyplot, save_figure
+from _common import (
+    DRAFT_HELP,
+    add_dtype_argument,
+    build_program,
+    describe_draft,
+    emit,
+    environment,
+    load_default_models,
+    mean_stderr,
+    pyplot,
+    save_figure,
+)
 
 PROMPTS = [
     "Write a short story about a lighthouse keeper.",
@@ -217,13 +232,15 @@ def best(rows: list[dict], method: str, faithful: bool = False) -> dict | None:
     return max(candidates, key=lambda r: r["tokens_per_second"]) if candidates else None
 
 
-def results_name(draft: str | None) -> str:
+def results_name(draft: str | None, dtype: str = "float32") -> str:
     """The results file's stem: "speed" with the default (self) draft, "speed_distilled" or
     "speed_feature" with the shipped distilled or feature draft, "speed_other" with a draft from
-    a directory."""
+    a directory; "_bfloat16" appended for a run in bfloat16."""
     if draft in (None, "self"):
-        return "speed"
-    return f"speed_{draft}" if draft in ("distilled", "feature") else "speed_other"
+        name = "speed"
+    else:
+        name = f"speed_{draft}" if draft in ("distilled", "feature") else "speed_other"
+    return name if dtype == "float32" else f"{name}_{dtype}"
 
 
 def plot(rows: list[dict], name: str) -> list[str]:
@@ -265,18 +282,22 @@ def main(argv=None) -> dict:
         help="hf backend: also run every configuration on the static KV cache, eager and compiled",
     )
     parser.add_argument("--labels", default=None, help="comma-separated labels of the configurations to run (e.g. 'ar,sd K=2')")
+    add_dtype_argument(parser)
     args = parser.parse_args(argv)
 
     from smc_sd.backends.hf import chat_prompt
+    from smc_sd.backends.precision import choose_precision
     from smc_sd.backends.static_hf import round_up
 
+    precision = choose_precision(args.dtype)
     if args.backend == "vllm":
-        from smc_sd.backends.vllm import VLLMLanguageModel
+        from smc_sd.backends.vllm import VLLMLanguageModel, VLLMOptions
 
-        target = VLLMLanguageModel.default()
-        draft = VLLMLanguageModel(args.draft) if args.draft not in (None, "self") else VLLMLanguageModel.self_draft()
+        options = VLLMOptions(dtype=precision.name)
+        target = VLLMLanguageModel.default(options)
+        draft = VLLMLanguageModel(args.draft, options) if args.draft not in (None, "self") else VLLMLanguageModel.self_draft(options)
     else:
-        target, draft = load_default_models(args.draft)
+        target, draft = load_default_models(args.draft, precision.dtype)
     prompts = [chat_prompt(target.tokenizer, p) for p in PROMPTS[: args.prompts]]
     # warm-up: the first forwards of a process are slower (allocations, kernel selection)
     build_program("ar", target, draft).run(prompts[0], __import__("smc_sd").Schedule(1, max_tokens=4))
@@ -313,18 +334,23 @@ def main(argv=None) -> dict:
             static["static_over_paged"] = static["tokens_per_second"] / paged["tokens_per_second"]
     ar = next(r["tokens_per_second"] for r in rows if r["method"] == "ar")
     ar_logprob = next(r["mean_target_logprob"] for r in rows if r["method"] == "ar")
+    env = environment()
     for r in rows:
+        # one target and one draft serve every row, so ar ran in this dtype too
+        r["dtype"], r["processor"] = precision.name, env["processor"]
         r["speedup_vs_ar"] = r["tokens_per_second"] / ar
         # 1 = the same mean target log-probability per token as ar; 1.03 = 3% lower (more negative)
         r["logprob_ratio_vs_ar"] = r["mean_target_logprob"] / ar_logprob
     data = {
         "benchmark": "speed",
         "backend": args.backend,
-        "model": "SmolLM2-135M-Instruct (fp32, CPU)",
+        "model": f"SmolLM2-135M-Instruct ({precision.name}, CPU)",
+        "dtype": precision.name,
+        "dtype_reason": precision.reason,
         "draft": describe_draft(args.draft),
         "prompts": len(prompts),
         "max_tokens": args.max_tokens,
-        "environment": environment(),
+        "environment": env,
         "wall_seconds": time.perf_counter() - started,
         # the fastest setting of each method, and the fastest within FIDELITY_TOLERANCE of ar's
         # mean target log-probability ("faithful")
@@ -338,7 +364,7 @@ def main(argv=None) -> dict:
         },
         "rows": rows,
     }
-    name = results_name(args.draft)
+    name = results_name(args.draft, precision.name)
     if not args.no_write:
         data["plots"] = plot(rows, name)
     emit(name, data, write=not args.no_write)

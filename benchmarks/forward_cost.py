@@ -1,0 +1,152 @@
+"""What one target forward costs, rows x new tokens, in each dtype: the cost of a verify pass.
+
+For every dtype in --dtypes and every shape B x L in --shapes, B rows are opened on a
+--context-token prompt (the hf backend's paged KV) and `extend` appends [B, L] tokens, then
+`truncate` removes them again, so every timing appends to the same context. The dtypes and
+shapes take turns within each of --repeats rounds (after one untimed round), so a change of load
+on the machine hits them alike. Reported per (dtype, shape): the median and the minimum in ms,
+and `over_1x1`, the median / that dtype's 1x1 median (what a verify of B x L tokens costs in
+one-token passes).
+
+`lm_head` rows time the output layer alone (hidden [R, D] -> logits [R, V] float32) both ways a
+bfloat16 model can produce float32 logits: the head in bfloat16 and the logits cast after it
+(what the hf backend does), or the hidden states cast and a float32 copy of the head.
+
+Every timing depends on the processor: bfloat16 pays where it has native bf16 matrix
+instructions (environment.processor names them), and float32 is faster without them.
+
+Usage: OMP_NUM_THREADS=1 python benchmarks/forward_cost.py [--dtypes float32,bfloat16] [--shapes 1x1,1x5,4x5,8x5]
+       [--context 100] [--repeats 5] [--no-write]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+from _common import emit, environment
+
+SHAPES = "1x1,1x5,4x1,4x5,8x5,16x5"
+HEAD_ROWS = (1, 5, 20, 40)
+TEXT = (
+    "The lighthouse keeper climbed the spiral stairs each evening, trimmed the wick, polished the lens "
+    "and wrote the weather in a ledger that nobody read. Ships passed far out at sea, and on clear nights "
+    "their lights answered his own. In winter the storms came from the north and the island shook."
+)
+
+
+def context_tokens(tokenizer, length: int) -> list[int]:
+    """`length` token ids of TEXT, repeated as needed."""
+    ids = tokenizer.encode(TEXT, add_special_tokens=False)
+    return (ids * (length // len(ids) + 1))[:length]
+
+
+def timed(step) -> float:
+    """Wall milliseconds of step()."""
+    started = time.perf_counter()
+    step()
+    return (time.perf_counter() - started) * 1e3
+
+
+def forward_step(lm, prompt: list[int], rows: int, new: int):
+    """(step, close): step() appends [rows, new] tokens to `rows` open rows and removes them again."""
+    sequences, _ = lm.open(prompt, rows)
+    tokens = torch.tensor(prompt[:new])[None].expand(rows, -1)
+
+    def step():
+        sequences.extend(tokens)
+        sequences.truncate(len(prompt))
+
+    return step, sequences.close
+
+
+def head_steps(model, rows: int) -> dict:
+    """The two ways to float32 logits from a bfloat16 model's head, on [rows, D] hidden states."""
+    weight = model.lm_head.weight
+    # [V, D] float32: the copy the second way needs besides the model's own weights
+    weight32 = weight.float()
+    hidden = torch.randn(rows, weight.shape[1], generator=torch.Generator().manual_seed(0)).to(weight.dtype)
+    return {
+        "bfloat16 head, cast after": lambda: (hidden @ weight.T).float(),
+        "float32 head": lambda: hidden.float() @ weight32.T,
+    }
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dtypes", default="float32,bfloat16", help="comma-separated dtypes to time")
+    parser.add_argument("--shapes", default=SHAPES, help=f"comma-separated ROWSxTOKENS (default {SHAPES})")
+    parser.add_argument("--context", type=int, default=100, help="tokens already in every row")
+    parser.add_argument("--repeats", type=int, default=5, help="timed rounds (the median is reported)")
+    parser.add_argument("--no-write", action="store_true", help="print JSON only; write no file")
+    args = parser.parse_args(argv)
+    dtypes = args.dtypes.split(",")
+    for name in dtypes:
+        if name not in ("float32", "bfloat16"):
+            parser.error(f"--dtypes: unknown dtype {name!r}; use float32 and/or bfloat16")
+    try:
+        shapes = [tuple(int(n) for n in shape.split("x")) for shape in args.shapes.split(",")]
+    except ValueError:
+        parser.error(f"--shapes: give ROWSxTOKENS pairs such as 1x1,8x5, got {args.shapes!r}")
+    if args.repeats < 1 or any(b < 1 or not 1 <= l <= args.context for b, l in shapes):
+        parser.error("--repeats must be >= 1 and every shape needs rows >= 1 and 1 <= tokens <= --context")
+
+    from smc_sd.backends.hf import HFLanguageModel
+
+    models = {name: HFLanguageModel.default(dtype=name) for name in dtypes}
+    prompt = context_tokens(next(iter(models.values())).tokenizer, args.context)
+    steps = {}
+    for name, lm in models.items():
+        for rows, new in shapes:
+            steps[name, rows, new] = forward_step(lm, prompt, rows, new)
+    times = {key: [] for key in steps}
+    with torch.inference_mode():
+        for round_ in range(args.repeats + 1):
+            for key, (step, _) in steps.items():
+                ms = timed(step)
+                if round_:
+                    times[key].append(ms)
+    for _, close in steps.values():
+        close()
+    rows = []
+    for (name, b, l), samples in times.items():
+        rows.append({"dtype": name, "rows": b, "new_tokens": l, "shape": f"{b}x{l}",
+                     "ms_median": statistics.median(samples), "ms_min": min(samples)})
+    for row in rows:
+        one = next((r for r in rows if r["dtype"] == row["dtype"] and r["shape"] == "1x1"), None)
+        if one is not None:
+            row["over_1x1"] = row["ms_median"] / one["ms_median"]
+    data = {
+        "benchmark": "forward_cost",
+        "model": "SmolLM2-135M-Instruct (hf backend, paged KV, eager)",
+        "context": args.context,
+        "repeats": args.repeats,
+        "environment": environment(),
+        "rows": rows,
+    }
+    if "bfloat16" in models:
+        data["lm_head"] = lm_head_rows(models["bfloat16"].model, args.repeats)
+    emit("forward_cost", data, write=not args.no_write)
+    return data
+
+
+def lm_head_rows(model, repeats: int) -> list[dict]:
+    """Median ms of each way to float32 logits from the bfloat16 head, at HEAD_ROWS rows."""
+    out = []
+    with torch.inference_mode():
+        for rows in HEAD_ROWS:
+            ways = head_steps(model, rows)
+            samples = {way: [] for way in ways}
+            for round_ in range(repeats + 1):
+                for way, step in ways.items():
+                    ms = timed(step)
+                    if round_:
+                        samples[way].append(ms)
+            out += [{"rows": rows, "way": way, "ms_median": statistics.median(s)} for way, s in samples.items()]
+    return out
+
+
+if __name__ == "__main__":
+    main()
