@@ -283,7 +283,7 @@ def complete_at_budget(plan, tokens: torch.Tensor, finished: torch.Tensor, logw:
     return logw.masked_fill(~complete, -math.inf)
 
 
-def conclude(plan, state: Particles, log_z: float, generator, ended_by_eos: torch.Tensor | None = None):
+def conclude(plan, state: Particles, log_z: float, generator):
     """The end of a run: final weights, log Z_hat and the returned particle.
 
     The last twist comes off (the final weights target pi itself), the token budget's
@@ -294,9 +294,6 @@ def conclude(plan, state: Particles, log_z: float, generator, ended_by_eos: torc
 
     Args:
         log_z: log Z_hat accumulated by the resamplings.
-        ended_by_eos: [N] bool, particles whose string ended with EOS (None: the finished ones);
-            a particle finished otherwise (a stop string) is checked for completeness like one
-            cut by the budget.
 
     Returns:
         (final log weights [N] float64, log Z_hat, chosen index, complete), or None when every
@@ -306,8 +303,7 @@ def conclude(plan, state: Particles, log_z: float, generator, ended_by_eos: torc
     logw = state.logw - state.log_twist
     if not torch.isfinite(logw).any():
         return None
-    ended = state.finished if ended_by_eos is None else ended_by_eos
-    final_logw = complete_at_budget(plan, state.tokens, ended, logw, state.log_phi, eos)
+    final_logw = complete_at_budget(plan, state.tokens, state.finished, logw, state.log_phi, eos)
     if not torch.isfinite(final_logw).any():
         chosen = int(torch.multinomial(normalised_weights(logw), 1, generator=generator))
         return logw, -math.inf, chosen, False

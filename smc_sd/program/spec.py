@@ -149,6 +149,21 @@ class Program:
         plan = compile_program(self, schedule, prompt_length=len(prompt))
         return plan.execute(prompt, seed=seed, on_cycle=on_cycle)
 
+    def run_many(
+        self,
+        prompts: list[list[int]],
+        schedule: Schedule = Schedule(),
+        seeds: list[int] | None = None,
+        max_running: int = 32,
+    ) -> list[Result]:
+        """Run the program on many prompts in one batch (`smc_sd.engine.batch.run_many`): the
+        particles of up to `max_running` prompts share every target and draft pass, and
+        result i is what `run(prompts[i], schedule, seed=seeds[i])` returns (seeds default to 0).
+        """
+        from smc_sd.engine.batch import run_many
+
+        return run_many(self, prompts, schedule, seeds=seeds, max_running=max_running)
+
     def smc(
         self,
         prompt: list[int],

@@ -1,0 +1,512 @@
+"""The batched engine: the particles of many requests advance together, one target pass per
+cycle and one draft pass per drafted position, over all of them.
+
+Requests, each with its own program, schedule, seed and stop strings, wait in a queue and join
+between cycles (continuous batching) while fewer than `max_running` run and their particles find
+free slots of the `SlotTable`. One cycle (`step`):
+
+1. requests that were cancelled leave; waiting ones join: their prompt's rows are added to the
+   target's (and draft's) rows, and their particles draw their first tokens (`Group.begin`);
+2. the rows are reseated: the rows of finished particles are dropped, resampled ones copied
+   (block pointers, not KV), every row rolled back to its canonical length;
+3. the draft reads the last two tokens of every prefix, then proposes in K_max passes of
+   [B_d, 1] tokens, K_max the largest K running; request g draws at the first K_g of them;
+4. the target reads [last token, drafted block, EOS filler up to K_max] of every row in ONE pass;
+5. each request verifies its slice of the logits with its own generator (`Group.verify`):
+   weights, ESS, resampling among its own particles and log Z_hat, or accept/reject; requests
+   that are done deliver their Result and leave, freeing their slots.
+
+Row invariant between cycles: the target's rows are, request after request in running order,
+its unfinished particles in particle order, each holding prompt + generated[:-1]; the draft's
+rows are the same for the requests with a draft, holding prompt + generated[:-2]. Together with
+the backends' laws for rows of different lengths, this makes a request's law independent of
+the batch: it draws what `Program.run` draws, in the same order, from logits equal to its own.
+
+A backend whose rows keep one length (`Sequences.join` raises NotImplementedError) still serves,
+one request at a time.
+
+Errors: a request's own failure (all particles died, a potential that raises) fails that
+request only; a failure of a backend pass kills the engine (`dead`), failing every request.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from collections import deque
+from concurrent.futures import CancelledError
+from dataclasses import dataclass
+from typing import Callable, Literal
+
+import torch
+
+from smc_sd.backends.base import LanguageModel, check_same_vocabulary
+from smc_sd.engine.groups import Group, ImportanceGroup, SpeculativeGroup
+from smc_sd.engine.result import Result, kv_memory
+from smc_sd.engine.rows import RowSet
+from smc_sd.engine.slots import SlotTable
+
+#: slots per running request when the engine is not told how many to keep
+SLOTS_PER_REQUEST = 16
+
+
+class QueueFullError(RuntimeError):
+    """`submit` found `max_waiting` requests waiting."""
+
+
+@dataclass(frozen=True)
+class Request:
+    """One request.
+
+    Attributes:
+        prompt: prompt token ids (non-empty).
+        program: the `smc_sd.program.Program`; its target.lm and proposal.lm are the engine's.
+        schedule: particles N, ess_threshold, resampling, max_tokens.
+        seed: seeds the request's own generator (equal seeds, equal results).
+        stop: stop strings; a particle whose generated text contains one finishes at the token
+            that completed it.
+    """
+
+    prompt: list[int]
+    program: object
+    schedule: object
+    seed: int = 0
+    stop: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class Event:
+    """What a request's `on_event` receives, in the engine's thread.
+
+    Attributes:
+        kind: "tokens" (the agreed tokens grew), "done" or "error".
+        stable_tokens: the generated tokens every particle agrees on so far (only grows); at
+            "done" the returned particle's tokens.
+        result: the Result, at "done".
+        error: what failed the request, at "error" (CancelledError after `cancel`).
+    """
+
+    kind: Literal["tokens", "done", "error"]
+    stable_tokens: list[int]
+    result: Result | None = None
+    error: BaseException | None = None
+
+
+class Handle:
+    """A submitted request: cancel it, or wait for its Result."""
+
+    def __init__(self):
+        self._finished = threading.Event()
+        self._result: Result | None = None
+        self._error: BaseException | None = None
+        self.cancelled = False
+
+    @property
+    def done(self) -> bool:
+        return self._finished.is_set()
+
+    def cancel(self) -> None:
+        """Ask the engine to drop the request (thread-safe); its rows and KV are freed at the
+        next cycle and `result` raises CancelledError."""
+        self.cancelled = True
+
+    def result(self, timeout: float | None = None) -> Result:
+        """The Result, once the request is done; raises what failed it.
+
+        Raises:
+            TimeoutError: if it is not done within `timeout` seconds.
+        """
+        if not self._finished.wait(timeout):
+            raise TimeoutError(f"the request is not done after {timeout} s")
+        if self._error is not None:
+            raise self._error
+        return self._result
+
+    def _settle(self, result: Result | None, error: BaseException | None) -> None:
+        self._result, self._error = result, error
+        self._finished.set()
+
+
+@dataclass
+class _Entry:
+    request: Request
+    plan: object
+    handle: Handle
+    on_event: Callable[[Event], None] | None
+    group: Group | None = None
+    agreed: int = 0
+
+
+class BatchEngine:
+    """Many requests' particles in one batch over a target and an optional draft.
+
+    Args:
+        target: the target model every request's program names.
+        draft: the draft model, or None (then only programs without a draft run).
+        max_running: requests in the batch at once, at most.
+        max_waiting: requests queued, at most (`submit` raises QueueFullError past it).
+        max_slots: particles of all running requests together, at most (default
+            max_running · SLOTS_PER_REQUEST).
+    """
+
+    def __init__(self, target: LanguageModel, draft: LanguageModel | None, max_running: int = 16, max_waiting: int = 256, max_slots: int | None = None):
+        if max_running < 1 or max_waiting < 0:
+            raise ValueError(f"max_running must be >= 1 and max_waiting >= 0, got {max_running} and {max_waiting}")
+        if draft is not None:
+            check_same_vocabulary(draft, target)
+        self.target, self.draft = target, draft
+        self.max_running, self.max_waiting = max_running, max_waiting
+        self.table = SlotTable(max_slots or max_running * SLOTS_PER_REQUEST, target.max_length)
+        self.target_rows = RowSet(target)
+        self.draft_rows = RowSet(draft) if draft is not None else None
+        self.dead: BaseException | None = None
+        self._running: list[_Entry] = []
+        self._waiting: deque[_Entry] = deque()
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        # cleared at the first join a backend refuses: then one request runs at a time
+        self._ragged = True
+        self._totals = {"tokens_total": 0, "target_passes_total": 0, "accepted_total": 0, "drafted_total": 0, "resamples_total": 0}
+
+    # --- the public door ------------------------------------------------------------------
+
+    def check(self, request: Request) -> None:
+        """Refuse, with a one-line error, everything that can be refused before the request joins.
+
+        Raises:
+            ValueError, ContextOverflowError, TokenizerMismatchError: naming the problem
+            (`smc_sd.compiler.compile_program`'s checks, and the engine's own).
+        """
+        self._compile(request)
+
+    def submit(self, request: Request, on_event: Callable[[Event], None] | None = None) -> Handle:
+        """Queue a request (thread-safe).
+
+        Raises:
+            QueueFullError: when `max_waiting` requests wait.
+            RuntimeError: when the engine has died.
+            and `check`'s errors.
+        """
+        plan = self._compile(request)
+        entry = _Entry(request, plan, Handle(), on_event)
+        with self._lock:
+            if self.dead is not None:
+                raise RuntimeError(f"the engine has stopped after an error: {self.dead}")
+            if len(self._waiting) >= self.max_waiting:
+                raise QueueFullError(f"{len(self._waiting)} requests are waiting, the most this engine queues")
+            self._waiting.append(entry)
+        self._wake.set()
+        return entry.handle
+
+    def step(self) -> bool:
+        """One cycle over every running request, after admitting waiting ones.
+
+        Returns:
+            False when nothing is running or waiting afterwards.
+
+        Raises:
+            the error of a backend pass (the engine is then dead and every request failed).
+        """
+        if self.dead is not None:
+            raise RuntimeError(f"the engine has stopped after an error: {self.dead}")
+        try:
+            if self._drop_cancelled() | self._admit():
+                self._reseat()
+            if self._running:
+                self._cycle()
+                self._reseat()
+        except BaseException as error:
+            self._die(error)
+            raise
+        with self._lock:
+            return bool(self._running or self._waiting)
+
+    def run_forever(self, stop_event: threading.Event) -> None:
+        """Step until `stop_event` is set (the server's loop thread); returns when the engine dies."""
+        while not stop_event.is_set():
+            try:
+                busy = self.step()
+            except BaseException:
+                return
+            if not busy:
+                self._wake.wait(0.05)
+                self._wake.clear()
+
+    def stats(self) -> dict:
+        """Counters and gauges for /metrics.
+
+        Keys: requests_running, requests_waiting, tokens_total (generated tokens over every
+        particle), target_passes_total (batched target passes), accepted_total and
+        drafted_total (exact speculative decoding's draft tokens), ess_mean (mean ESS / N of
+        the running SMC requests' last cycles; NaN when none), resamples_total,
+        kv_blocks_in_use (target and draft together).
+        """
+        with self._lock:
+            running, waiting = [e.group for e in self._running], len(self._waiting)
+            totals = dict(self._totals)
+        ess = []
+        for group in running:
+            if group is None:
+                continue
+            totals["tokens_total"] += group.tokens_out
+            totals["accepted_total"] += group.accepted
+            totals["drafted_total"] += group.drafted
+            totals["resamples_total"] += sum(c.resampled for c in group.cycles)
+            if isinstance(group, ImportanceGroup) and group.cycles:
+                ess.append(group.cycles[-1].ess / group.plan.particles)
+        blocks = 0
+        for rows in (self.target_rows, self.draft_rows):
+            memory = rows.memory() if rows is not None else None
+            blocks += memory.get("live_blocks", 0) if memory else 0
+        return {
+            "requests_running": len(running),
+            "requests_waiting": waiting,
+            **totals,
+            "ess_mean": sum(ess) / len(ess) if ess else math.nan,
+            "kv_blocks_in_use": blocks,
+        }
+
+    # --- one cycle ------------------------------------------------------------------------
+
+    def _compile(self, request: Request):
+        from smc_sd.compiler import compile_program
+
+        program, schedule = request.program, request.schedule
+        if len(request.prompt) == 0:
+            raise ValueError("the prompt is empty; give at least one token")
+        if program.target.lm is not self.target:
+            raise ValueError("the request's target model is not the engine's target")
+        if program.proposal is not None and program.proposal.lm is not self.draft:
+            raise ValueError("the request's draft model is not the engine's draft")
+        if schedule.particles > self.table.max_slots:
+            raise ValueError(f"{schedule.particles} particles exceed the engine's {self.table.max_slots} particle slots")
+        if any(not isinstance(s, str) or not s for s in request.stop):
+            raise ValueError("every stop string must be a non-empty string")
+        if request.stop and program.target.constraints:
+            raise ValueError("stop strings cannot be combined with constraints: the constraint decides where the output ends")
+        return compile_program(program, schedule, len(request.prompt))
+
+    def _drop_cancelled(self) -> bool:
+        with self._lock:
+            cancelled = [e for e in self._waiting if e.handle.cancelled]
+            for entry in cancelled:
+                self._waiting.remove(entry)
+        dropped = [e for e in self._running if e.handle.cancelled]
+        for entry in cancelled + dropped:
+            self._leave(entry, None, CancelledError("the request was cancelled"))
+        return bool(dropped)
+
+    def _admit(self) -> bool:
+        """Join waiting requests while there is room; True if any joined."""
+        joined = False
+        while True:
+            with self._lock:
+                if not self._waiting or len(self._running) >= self.max_running:
+                    return joined
+                entry = self._waiting[0]
+                if entry.plan.particles > self.table.free or (not self._ragged and self.target_rows.size):
+                    return joined
+                self._waiting.popleft()
+            if entry.handle.cancelled:
+                self._leave(entry, None, CancelledError("the request was cancelled"))
+                continue
+            kind = ImportanceGroup if entry.plan.verification == "importance" else SpeculativeGroup
+            try:
+                entry.group = kind(entry.request, entry.plan, self.table)
+            except Exception as error:
+                self._leave(entry, None, error)
+                continue
+            try:
+                bases, logits = self._join(entry.group)
+            except NotImplementedError:
+                # the backend keeps rows of one length: this request waits for an empty batch
+                self.table.release(entry.group.slots)
+                entry.group = None
+                self._ragged = False
+                with self._lock:
+                    self._waiting.appendleft(entry)
+                return joined
+            joined = True
+            with self._lock:
+                self._running.append(entry)
+            if self._attempt(entry, entry.group.begin, logits, *bases):
+                self._finish_or_report(entry)
+
+    def _join(self, group: Group) -> tuple[tuple[int, int], torch.Tensor]:
+        """Add the group's N rows to the target's (and the draft's) rows.
+
+        Returns:
+            ((first target row, first draft row), [V] target logits after the prompt).
+        """
+        n = group.plan.particles
+        target_base = self.target_rows.size
+        logits = self.target_rows.join(group.prompt, n)
+        draft_base = 0
+        if group.has_draft:
+            draft_base = self.draft_rows.size
+            try:
+                self.draft_rows.join(group.prompt, n)
+            except NotImplementedError:
+                self.target_rows.keep_first(target_base)
+                raise
+        return (target_base, draft_base), logits
+
+    def _cycle(self) -> None:
+        """Draft passes, one target pass, and every request's verification."""
+        entries = list(self._running)
+        eos = self.target.vocabulary.eos_token_id
+        groups = [e.group for e in entries]
+        # [A_g] rows of every request, read before anything moves them
+        target_rows = [self.table.target_row[g.live()] for g in groups]
+        draft_rows = [self.table.draft_row[g.live()] if g.has_draft else None for g in groups]
+        healthy = [self._attempt(e, g.prepare) for e, g in zip(entries, groups)]
+        k_max = max((g.draft_len for g in groups if g.has_draft), default=0)
+        if k_max:
+            # [B_d, 2]: the last two tokens of every draft row's prefix (EOS on failed requests)
+            feed = torch.full((self.draft_rows.size, 2), eos, dtype=torch.int64)
+            for g, ok, rows in zip(groups, healthy, draft_rows):
+                if ok and rows is not None:
+                    feed[rows] = g.draft_feed()
+            for j in range(k_max):
+                # [B_d, V]: the draft's logits after each row's last fed token
+                logits = self.draft_rows.extend(feed)[:, -1]
+                feed = torch.full((self.draft_rows.size, 1), eos, dtype=torch.int64)
+                for i, (e, g, rows) in enumerate(zip(entries, groups, draft_rows)):
+                    if healthy[i] and rows is not None and j < g.draft_len:
+                        healthy[i] = self._attempt(e, self._draw, g, logits, rows, feed)
+        width = 1 + max(g.draft_len for g in groups)
+        # [B_t, K_max + 1]: last token, drafted block, EOS filler (all filler on failed requests)
+        feed = torch.full((self.target_rows.size, width), eos, dtype=torch.int64)
+        for g, ok, rows in zip(groups, healthy, target_rows):
+            if ok:
+                feed[rows] = g.target_feed(width)
+        # [B_t, K_max + 1, V]: ONE target pass over every request's rows
+        logits = self.target_rows.extend(feed)
+        self._totals["target_passes_total"] += 1
+        for i, (e, g, rows) in enumerate(zip(entries, groups, target_rows)):
+            if healthy[i]:
+                healthy[i] = self._attempt(e, g.verify, logits[rows, : g.draft_len + 1])
+        for e, ok in zip(entries, healthy):
+            if ok:
+                self._finish_or_report(e)
+
+    @staticmethod
+    def _draw(group: Group, logits: torch.Tensor, rows: torch.Tensor, feed: torch.Tensor) -> None:
+        """The group's next drafted tokens, drawn from its rows' logits, into the feed [B_d, 1]."""
+        feed[rows, 0] = group.draw(logits[rows])
+
+    def _attempt(self, entry: _Entry, call, *args) -> bool:
+        """Run a request's own step; a failure fails that request only. Returns success."""
+        try:
+            call(*args)
+            return True
+        except Exception as error:
+            self._leave(entry, None, error)
+            return False
+
+    def _finish_or_report(self, entry: _Entry) -> None:
+        """Deliver the Result of a request that is done, else report its agreed tokens."""
+        if not entry.group.done:
+            self._report(entry)
+            return
+        try:
+            result = entry.group.result(kv_memory(self.target_rows, self.draft_rows))
+        except Exception as error:
+            self._leave(entry, None, error)
+            return
+        self._leave(entry, result, None)
+
+    def _reseat(self) -> None:
+        """Make the rows those of the running requests' unfinished particles, at their lengths."""
+        sources = {"target": [], "draft": []}
+        lengths = {"target": [], "draft": []}
+        offsets = {"target": 0, "draft": 0}
+        for entry in self._running:
+            group = entry.group
+            live = group.live()
+            for name, row_of, length, used in (
+                ("target", self.table.target_row, group.target_length(), True),
+                ("draft", self.table.draft_row, group.draft_length(), group.has_draft),
+            ):
+                if not used:
+                    continue
+                sources[name].append(row_of[live])
+                lengths[name].append(torch.full((live.numel(),), length, dtype=torch.int64))
+                row_of[live] = torch.arange(offsets[name], offsets[name] + live.numel())
+                offsets[name] += live.numel()
+        for name, rows in (("target", self.target_rows), ("draft", self.draft_rows)):
+            if rows is not None:
+                empty = torch.empty(0, dtype=torch.int64)
+                rows.reseat(torch.cat(sources[name] or [empty]), torch.cat(lengths[name] or [empty]))
+
+    # --- requests leaving -----------------------------------------------------------------
+
+    def _report(self, entry: _Entry) -> None:
+        """Send a "tokens" event when the particles' agreed tokens grew."""
+        if entry.on_event is None:
+            return
+        agreed = entry.group.agreed_tokens()
+        if len(agreed) > entry.agreed:
+            entry.agreed = len(agreed)
+            self._send(entry, Event("tokens", agreed))
+
+    def _leave(self, entry: _Entry, result: Result | None, error: BaseException | None) -> None:
+        """A request is done, failed or cancelled: settle its handle, free its slots (its rows
+        go at the next reseat)."""
+        group = entry.group
+        with self._lock:
+            if entry in self._running:
+                self._running.remove(entry)
+            if group is not None:
+                self._totals["tokens_total"] += group.tokens_out
+                self._totals["accepted_total"] += group.accepted
+                self._totals["drafted_total"] += group.drafted
+                self._totals["resamples_total"] += sum(c.resampled for c in group.cycles)
+        if group is not None:
+            self.table.release(group.slots)
+            entry.group = None
+        entry.handle._settle(result, error)
+        if error is not None:
+            self._send(entry, Event("error", [], error=error))
+        else:
+            self._send(entry, Event("done", list(result.tokens), result=result))
+
+    def _send(self, entry: _Entry, event: Event) -> None:
+        if entry.on_event is None:
+            return
+        try:
+            entry.on_event(event)
+        except Exception:
+            # a listener that fails is gone: drop its request at the next cycle
+            entry.handle.cancel()
+
+    def _die(self, error: BaseException) -> None:
+        self.dead = error
+        with self._lock:
+            entries = list(self._running) + list(self._waiting)
+            self._running.clear()
+            self._waiting.clear()
+        for entry in entries:
+            if not entry.handle.done:
+                self._leave(entry, None, error)
+        for rows in (self.target_rows, self.draft_rows):
+            if rows is not None:
+                rows.close()
+
+
+def run_many(program, prompts: list[list[int]], schedule, seeds: list[int] | None = None, max_running: int = 32) -> list[Result]:
+    """Run a program on many prompts in one batch: result i is what `program.run(prompts[i],
+    schedule, seed=seeds[i])` returns (seeds default to 0, Program.run's default).
+
+    Raises:
+        the first failure among the requests, after all of them have ended.
+    """
+    seeds = [0] * len(prompts) if seeds is None else list(seeds)
+    if len(seeds) != len(prompts):
+        raise ValueError(f"{len(seeds)} seeds for {len(prompts)} prompts")
+    draft = program.proposal.lm if program.proposal is not None else None
+    engine = BatchEngine(program.target.lm, draft, max_running=max_running, max_waiting=len(prompts), max_slots=max_running * schedule.particles)
+    handles = [engine.submit(Request(list(p), program, schedule, s)) for p, s in zip(prompts, seeds)]
+    while engine.step():
+        pass
+    return [handle.result() for handle in handles]

@@ -1,0 +1,354 @@
+"""One running request of the batched engine: its compiled plan, generator, slots and diagnostics.
+
+A group owns N slots of the `SlotTable` and runs, on its own particles only, the steps
+`Program.run` runs (the pure functions of `smc_sd.engine.smc` and `smc_sd.engine.speculative`),
+drawing from its own generator in the same order. The engine hands it its rows' slices of the
+batched passes' logits, which the backends' laws make equal to those of its rows alone; so its
+tokens, weights, ESS, resampling and log Z_hat are those `Program.run` gives with the same seed.
+
+Per cycle the engine calls `prepare` (masks and the draft sampler), `draft_feed` and `draw`
+(K times, for a group with a draft), `target_feed`, then `verify` with the target's logits.
+The tokens a group's rows read: the draft, the last two tokens of each prefix (its rows hold the
+prefix but those), then each drafted token; the target, the last token and the drafted block.
+
+Stop strings: a particle whose generated text comes to contain one of the request's stop strings
+finishes at the token that completed it; the rest of its block counts nothing, exactly as after
+an EOS (`smc_sd.engine.smc.advance`). Its tokens keep that token; cutting the text at the stop
+string is the caller's.
+
+Dimension letters: N particles, A unfinished ones, K draft length, V vocabulary, S generated.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import replace
+
+import torch
+
+from smc_sd.engine.drafting import BlockDrafter, block_masks, first_token_mask, trim_at_eos
+from smc_sd.engine.resampling import effective_sample_size, log_mean_weight, resample
+from smc_sd.engine.result import AllParticlesDiedError, CycleStats, Result
+from smc_sd.engine.slots import SlotTable
+from smc_sd.engine.smc import advance, conclude, cycle_masks, first_particles, rescore_block_end, verify_block
+from smc_sd.engine.speculative import first_token, verify_drafts
+
+
+def first_stop(decode, prefix: list[int], new: list[int], stops: tuple[str, ...]) -> int | None:
+    """The index c of the first new token after which decode(prefix + new[: c + 1]) contains a
+    stop string, or None."""
+    if not stops or not new or not any(stop in decode(prefix + new) for stop in stops):
+        return None
+    for c in range(len(new)):
+        text = decode(prefix + new[: c + 1])
+        if any(stop in text for stop in stops):
+            return c
+    return None
+
+
+class Group:
+    """What both kinds of request share: slots, rows, feeds, events.
+
+    Args:
+        request: the `smc_sd.engine.batch.Request`.
+        plan: its compiled StepPlan.
+        table: the engine's slot table; the group takes N slots of it.
+    """
+
+    def __init__(self, request, plan, table: SlotTable):
+        self.request, self.plan, self.table = request, plan, table
+        self.prompt = list(request.prompt)
+        self.eos = plan.target.vocabulary.eos_token_id
+        self.generator = torch.Generator().manual_seed(request.seed)
+        # raises before any slot is taken when the constraints admit no string
+        self.first_mask = first_token_mask(plan.masker)
+        self.slots = table.allocate(plan.particles)
+        self.generated = 0
+        self.cycles: list[CycleStats] = []
+        self.started = time.perf_counter()
+        self.drafter: BlockDrafter | None = None
+        self.mask_at = None
+        #: log Z_hat accumulated by the resamplings
+        self.log_z = 0.0
+        #: generated tokens over every particle, draft tokens accepted and proposed (exact sd)
+        self.tokens_out = self.accepted = self.drafted = 0
+
+    @property
+    def draft_len(self) -> int:
+        return self.plan.draft_len
+
+    @property
+    def has_draft(self) -> bool:
+        return self.plan.draft is not None
+
+    def live(self) -> torch.Tensor:
+        """[A] int64 slots of the unfinished particles, in particle order (the rows' order)."""
+        return self.slots[~self.table.finished[self.slots]]
+
+    def target_length(self) -> int:
+        """Tokens a target row holds between cycles: the prompt and all but the last generated."""
+        return len(self.prompt) + self.generated - 1
+
+    def draft_length(self) -> int:
+        """Tokens a draft row holds between cycles: the prompt and all but the last two generated."""
+        return len(self.prompt) + self.generated - 2
+
+    def draft_feed(self) -> torch.Tensor:
+        """[A, 2] int64: the last two tokens of each unfinished particle's prompt + tokens."""
+        tokens = self.table.tokens[self.live(), : self.generated]
+        if self.generated >= 2:
+            return tokens[:, -2:]
+        return torch.cat([torch.full_like(tokens, self.prompt[-1]), tokens], 1)
+
+    def draw(self, logits: torch.Tensor) -> torch.Tensor:
+        """The next drafted token of every unfinished particle from the draft's logits [A, V]."""
+        return self.drafter.draw(logits)
+
+    def target_feed(self, width: int) -> torch.Tensor:
+        """[A, width] int64: the last token, the drafted block, then EOS filler."""
+        live = self.live()
+        drafted = self.drafter.block(self.plan.target.vocabulary.size).tokens
+        filler = torch.full((live.numel(), width - 1 - drafted.shape[1]), self.eos, dtype=torch.int64)
+        return torch.cat([self.table.tokens[live, self.generated - 1 : self.generated], drafted, filler], 1)
+
+    def particle_tokens(self) -> list[list[int]]:
+        """Every particle's generated tokens, each ending at its EOS (a stopped one at its stop)."""
+        rows = self.table.tokens[self.slots, : self.generated].tolist()
+        stopped = self.table.stopped[self.slots].tolist()
+        out = []
+        for row, stop in zip(rows, stopped):
+            row = trim_at_eos(row, self.eos)
+            # a stopped particle's EOS is filler, not generated
+            out.append(row[:-1] if stop and row and row[-1] == self.eos else row)
+        return out
+
+    def agreed_tokens(self) -> list[int]:
+        """The generated tokens every particle agrees on (their common prefix): it only grows,
+        since particles only extend and resampling keeps copies of some of them."""
+        rows = self.particle_tokens()
+        common = rows[0]
+        for row in rows[1:]:
+            n = 0
+            while n < min(len(common), len(row)) and common[n] == row[n]:
+                n += 1
+            common = common[:n]
+        return common
+
+    def _result(self, particles, finished, log_weights, log_ml, chosen, complete, kv) -> Result:
+        plan = self.plan
+        return Result(
+            method=plan.name,
+            prompt=self.prompt,
+            particles=particles,
+            finished=finished,
+            log_weights=log_weights,
+            log_ml=log_ml,
+            chosen=chosen,
+            cycles=self.cycles,
+            target_passes=len(self.cycles),
+            draft_passes=plan.draft_len * len(self.cycles),
+            seconds=time.perf_counter() - self.started,
+            decode=plan.target.decode,
+            kv=kv,
+            mask_seconds=plan.masker.seconds if plan.masker is not None else 0.0,
+            complete=complete,
+        )
+
+
+class ImportanceGroup(Group):
+    """A request of an importance-verified plan (SMC-SD; K = 0: the target proposes), as
+    `smc_sd.engine.smc.run_smc` runs it."""
+
+    def begin(self, first_logits: torch.Tensor, target_base: int, draft_base: int) -> None:
+        """Draw every particle's first token from the prompt's logits [V]; its rows are the
+        `target_base` (and `draft_base`) .. + N - 1 rows just joined.
+
+        Raises:
+            AllParticlesDiedError: when no first token has nonzero probability.
+        """
+        plan, n = self.plan, self.plan.particles
+        state = first_particles(plan, first_logits, self.first_mask, self.generator)
+        stops = torch.tensor([first_stop(plan.target.decode, [], [t], self.request.stop) == 0 for t in state.tokens[:, 0].tolist()])
+        if bool(stops.any()):
+            # the first token completed a stop string: that particle's string ends there
+            state = rescore_block_end(plan, replace(state, finished=state.finished | stops), stops)
+        self.generated = 1
+        self.table.store(self.slots, state)
+        self.table.stopped[self.slots] = stops
+        rows = torch.arange(n)
+        self.table.target_row[self.slots] = torch.where(state.finished, -1, target_base + rows)
+        if self.has_draft:
+            self.table.draft_row[self.slots] = torch.where(state.finished, -1, draft_base + rows)
+        self.tokens_out += n
+        if not torch.isfinite(state.logw).any():
+            raise AllParticlesDiedError(
+                "no first token has nonzero probability under the target (and its constraints, if any)",
+                self.result_with(state.logw, -math.inf, 0, True, None),
+            )
+
+    @property
+    def done(self) -> bool:
+        return self.generated >= self.plan.max_tokens or bool(self.table.finished[self.slots].all())
+
+    def prepare(self) -> None:
+        """The cycle's masks and draft sampler."""
+        state = self.table.particles(self.slots, self.generated)
+        active = (~state.finished).nonzero().flatten()
+        self.mask_at = cycle_masks(self.plan, state, active)
+        self.drafter = BlockDrafter(active.numel(), self.plan.draft_temperature, self.generator, self.mask_at)
+
+    def verify(self, target_logits: torch.Tensor) -> None:
+        """Weights, block-end scores, ESS and resampling of one cycle (`run_smc`'s loop body).
+
+        Args:
+            target_logits: [A, K + 1, V] float32, the target's logits over this group's rows.
+
+        Raises:
+            AllParticlesDiedError: when every weight reaches zero.
+        """
+        plan, table, slots = self.plan, self.table, self.slots
+        n, k = plan.particles, plan.draft_len
+        state = table.particles(slots, self.generated)
+        tokens_this_cycle = min(k + 1, plan.max_tokens - self.generated)
+        rows = int((~state.finished).sum())
+        block, increments = verify_block(plan, target_logits, self.drafter.block(target_logits.shape[-1]), self.mask_at, self.generator)
+        stops = self._stop_columns(state, block) if self.request.stop else None
+        advanced = advance(plan, state, block, increments, stops)
+        stopped = table.stopped[slots].clone()
+        if stops is not None:
+            stopped[~state.finished] = stops.any(1)
+        # [N]: the rows particles hold until resampling moves them; finished ones drop theirs
+        target_rows = table.target_row[slots].masked_fill(advanced.finished, -1)
+        draft_rows = table.draft_row[slots].masked_fill(advanced.finished, -1)
+        self.tokens_out += rows * tokens_this_cycle
+        ess = effective_sample_size(advanced.logw)
+        if ess == 0.0:
+            self.cycles.append(CycleStats(ess, False, -math.inf, tokens_this_cycle, n, rows=rows))
+            self._store(advanced, stopped, target_rows, draft_rows)
+            raise AllParticlesDiedError("every particle reached weight zero", self.result_with(advanced.logw, -math.inf, 0, True, None))
+        resampled = ess < plan.ess_threshold * n
+        if resampled:
+            self.log_z += log_mean_weight(advanced.logw)
+            ancestors = resample(advanced.logw, self.generator, plan.resampling)
+            advanced = advanced.take(ancestors)
+            stopped, target_rows, draft_rows = stopped[ancestors], target_rows[ancestors], draft_rows[ancestors]
+        self.cycles.append(CycleStats(ess, resampled, self.log_z, tokens_this_cycle, n, rows=rows))
+        self._store(advanced, stopped, target_rows, draft_rows)
+
+    def result(self, kv: dict | None) -> Result:
+        """The request's Result (`run_smc`'s ending).
+
+        Raises:
+            AllParticlesDiedError: when every final weight is zero.
+        """
+        state = self.table.particles(self.slots, self.generated)
+        outcome = conclude(self.plan, state, self.log_z, self.generator)
+        if outcome is None:
+            raise AllParticlesDiedError("every particle reached weight zero", self.result_with(state.logw - state.log_twist, -math.inf, 0, True, kv))
+        return self.result_with(*outcome, kv)
+
+    def result_with(self, log_weights, log_ml, chosen, complete, kv) -> Result:
+        finished = self.table.finished[self.slots].tolist()
+        return self._result(self.particle_tokens(), finished, log_weights, log_ml, chosen, complete, kv)
+
+    def _store(self, state, stopped, target_rows, draft_rows) -> None:
+        table, slots = self.table, self.slots
+        table.store(slots, state)
+        table.stopped[slots] = stopped
+        table.target_row[slots] = target_rows
+        table.draft_row[slots] = draft_rows
+        self.generated = state.tokens.shape[1]
+
+    def _stop_columns(self, state, block: torch.Tensor) -> torch.Tensor:
+        """[A, K + 1] bool: for each unfinished particle, the column of its block that completes
+        a stop string first (before any EOS, within the budget), if one does."""
+        budget = self.plan.max_tokens - self.generated
+        stops = torch.zeros(block.shape, dtype=torch.bool)
+        prefixes = state.tokens[~state.finished].tolist()
+        for a, (prefix, row) in enumerate(zip(prefixes, block.tolist())):
+            row = trim_at_eos(row[:budget], self.eos)
+            if row and row[-1] == self.eos:
+                row = row[:-1]
+            column = first_stop(self.plan.target.decode, prefix, row, self.request.stop)
+            if column is not None:
+                stops[a, column] = True
+        return stops
+
+
+class SpeculativeGroup(Group):
+    """A request of an accept/reject plan (exact speculative decoding, mask-at-verify): one
+    sequence, as `smc_sd.engine.speculative.run_speculative` runs it."""
+
+    def begin(self, first_logits: torch.Tensor, target_base: int, draft_base: int) -> None:
+        """Draw the first token; the sequence's rows are the ones just joined.
+
+        Raises:
+            AllParticlesDiedError: when no first token has nonzero probability.
+        """
+        first = first_token(self.plan, first_logits, self.first_mask, self.generator)
+        if first is None:
+            raise AllParticlesDiedError("no first token has nonzero probability under the target (and its constraints, if any)", self.result(None))
+        self._append([first])
+        self.table.target_row[self.slots] = -1 if self.finished else target_base
+        self.table.draft_row[self.slots] = -1 if self.finished else draft_base
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.table.tokens[self.slots[0], : self.generated].tolist()
+
+    @property
+    def finished(self) -> bool:
+        return bool(self.table.finished[self.slots[0]])
+
+    @property
+    def done(self) -> bool:
+        return self.finished or self.generated >= self.plan.max_tokens
+
+    def prepare(self) -> None:
+        """The cycle's masks and draft sampler."""
+        masker = self.plan.masker
+        self.mask_at = None if masker is None else block_masks(masker, [self.tokens], torch.ones(1, dtype=torch.bool), self.eos)
+        self.drafter = BlockDrafter(1, self.plan.draft_temperature, self.generator, self.mask_at)
+
+    def verify(self, target_logits: torch.Tensor) -> None:
+        """The accept/reject step of one cycle (`run_speculative`'s loop body).
+
+        Args:
+            target_logits: [1, K + 1, V] float32, the target's logits over this sequence's row.
+
+        Raises:
+            AllParticlesDiedError: when the constraints leave the sequence no token.
+        """
+        plan = self.plan
+        budget = plan.max_tokens - self.generated
+        draft = self.drafter.block(target_logits.shape[-1])
+        accepted, emitted, dead = verify_drafts(plan, draft, target_logits[0], self.mask_at, self.generator, budget)
+        if dead:
+            raise AllParticlesDiedError("the constraints left the sequence no token of nonzero probability", self.result(None))
+        new = trim_at_eos(draft.tokens[0, :accepted].tolist() + [emitted], self.eos)[:budget]
+        self.accepted += accepted
+        self.drafted += plan.draft_len
+        self.cycles.append(CycleStats(1.0, False, 0.0, self._append(new), 1, accepted=accepted))
+
+    def result(self, kv: dict | None) -> Result:
+        tokens, masker = self.tokens, self.plan.masker
+        complete = masker is None or self.eos in tokens or bool(masker.complete([tokens])[0])
+        return self._result([tokens], [self.finished], torch.zeros(1, dtype=torch.float64), 0.0, 0, complete, kv)
+
+    def _append(self, new: list[int]) -> int:
+        """Append tokens, cut at the first stop string; finish at EOS or a stop. Returns the
+        number of tokens appended."""
+        slot = int(self.slots[0])
+        column = first_stop(self.plan.target.decode, self.tokens, [t for t in new if t != self.eos], self.request.stop)
+        if column is not None:
+            new = new[: column + 1]
+        start = self.generated
+        self.table.tokens[slot, start : start + len(new)] = torch.tensor(new, dtype=torch.int64)
+        self.generated += len(new)
+        self.tokens_out += len(new)
+        self.table.stopped[slot] = column is not None
+        self.table.finished[slot] = column is not None or self.eos in new
+        if self.finished:
+            self.table.target_row[slot] = self.table.draft_row[slot] = -1
+        return len(new)
