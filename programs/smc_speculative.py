@@ -5,17 +5,22 @@ Targets pi(x) ∝ p_T(x)^alpha · phi(x), phi the product of the boolean constra
 potentials such as `BoolFSA.from_regex`, or `TokenConstraint`s): the draft and the bonus token are
 masked, and the masked normalisers in the weights correct toward the global conditional. Soft
 potentials are scored on prefixes at block end; an optional twist (log psi of prefixes) steers
-resampling. Consistent as N grows, biased at finite N."""
+resampling. Consistent as N grows, biased at finite N.
+
+With a free draft (`smc_sd.program.FreeDraft`, no draft LM) each particle is extended by exact
+speculative sampling of the locally masked target, the free draft proposing, and weighted by the
+local normalisers (`smc_sd.engine.smc_free`): the same target, SMC with the locally optimal
+proposal."""
 
 from smc_sd.backends.base import LanguageModel
-from smc_sd.program import Program, Proposal, Target
+from smc_sd.program import FreeDraft, Program, Proposal, Target
 
 DEFAULT_PARTICLES = 4
 
 
 def program(
     target: LanguageModel,
-    draft: LanguageModel,
+    draft: LanguageModel | None,
     *,
     temperature: float = 1.0,
     draft_temperature: float = 1.0,
@@ -24,10 +29,11 @@ def program(
     constraints: tuple = (),
     potentials: tuple = (),
     twist=None,
+    free_draft: FreeDraft | None = None,
 ) -> Program:
     return Program(
         "smc-sd",
         Target(target, temperature=temperature, alpha=alpha, constraints=tuple(constraints), potentials=tuple(potentials)),
-        Proposal(draft, temperature=draft_temperature, draft_len=draft_len),
+        Proposal(draft, temperature=draft_temperature, draft_len=draft_len, free=free_draft),
         twist=twist,
     )

@@ -97,7 +97,7 @@ BEFORE_LOADING = [
     (["--method", "ar", "--draft", "free"], "--method ar drafts nothing"),
     (["--draft", "free+"], "--draft free+NAME needs a draft after the '+'"),
     (["--method", "sd", "--draft", "free+{missing}"], "--draft {missing}: no such directory"),
-    (["--method", "smc-sd", "--draft", "free"], "--method smc-sd verifies no free draft"),
+    (["--method", "smc-sd", "--draft", "free+self"], "with the free draft alone: use --draft free"),
     (["--method", "sd", "--regex", "a"], "--method sd takes no constraints"),
     (["--particles", "0"], "particles must be >= 1"),
     (["--particles", "two"], "argument --particles: invalid int value"),

@@ -99,3 +99,70 @@ def test_constrained_ar_samples_the_local_projection():
     samples, _, _ = run_all(autoregressive.program(lm, constraints=(constraint,)), [0], max_tokens, n)
     exact, _ = lm.completion_distribution([0], max_tokens, constraint=as_token_constraint(constraint, lm), local=True)
     assert total_variation(empirical(samples), exact) < tv_tolerance(exact, n)
+
+
+# SMC-SD with a free draft: each particle is extended by exact speculative sampling of the locally
+# masked target and weighted by the local normalisers; the language is the one of
+# tests/test_constraints.py, where the local projection and the conditional differ (TV > 0.5)
+from smc_sd.programs import smc_speculative  # noqa: E402
+from tests.test_constraints import MAX_TOKENS as LANGUAGE_TOKENS, in_language, language_constraint  # noqa: E402
+
+#: a prompt spelling the language's words, so that lookup proposes inside them
+WORDS_PROMPT = [1, 2, 2, 1, 2, 1, 2, 2, 0]
+
+
+def test_smc_sd_with_a_free_draft_and_no_constraint_samples_the_target():
+    target, _ = target_and_draft(noise=2.0)
+    max_tokens, n = 4, 4000
+    program = smc_speculative.program(target, None, free_draft=LOOKUP)
+    samples, proposed, accepted = run_all_smc(program, REPEATING_PROMPT, Schedule(2, max_tokens=max_tokens), n)
+    assert proposed > n // 4 and 0 < accepted < proposed
+    exact, _ = target.completion_distribution(REPEATING_PROMPT, max_tokens)
+    assert total_variation(empirical(samples), exact) < tv_tolerance(exact, n)
+
+
+def run_all_smc(program, prompt, schedule, n):
+    samples, proposed, accepted = [], 0, 0
+    for seed in range(n):
+        result = program.run(prompt, schedule, seed=seed)
+        samples.append(tuple(result.tokens))
+        proposed += sum(c.proposed or 0 for c in result.cycles)
+        accepted += sum(c.accepted or 0 for c in result.cycles)
+    return samples, proposed, accepted
+
+
+def test_smc_sd_with_a_free_draft_converges_to_the_conditional():
+    target, _ = target_and_draft(noise=1.0)
+    constraint = language_constraint()
+    exact, _ = target.completion_distribution(WORDS_PROMPT, LANGUAGE_TOKENS, constraint=constraint)
+    local, _ = target.completion_distribution(WORDS_PROMPT, LANGUAGE_TOKENS, constraint=constraint, local=True)
+    assert total_variation(local, exact) > 0.3
+    runs = 400
+    program = smc_speculative.program(target, None, constraints=(constraint,), free_draft=LOOKUP)
+    samples = {}
+    for n in (1, 16):
+        samples[n], proposed, _ = run_all_smc(program, WORDS_PROMPT, Schedule(n, max_tokens=LANGUAGE_TOKENS), runs)
+        assert proposed > 0
+    assert all(in_language(x) for xs in samples.values() for x in xs)
+    tolerance = tv_tolerance(exact, runs)
+    tv = {n: total_variation(empirical(xs), exact) for n, xs in samples.items()}
+    # one particle samples the local projection; sixteen reach the conditional
+    assert total_variation(empirical(samples[1]), local) < tv_tolerance(local, runs)
+    assert tv[16] < tolerance and tv[1] > tv[16] + tolerance
+
+
+@pytest.mark.parametrize("ess_threshold", [1.0, 0.5])
+def test_smc_sd_with_a_free_draft_has_an_unbiased_z_hat(ess_threshold):
+    import math
+
+    target, _ = target_and_draft(noise=1.0)
+    constraint = language_constraint()
+    _, log_z = target.completion_distribution(WORDS_PROMPT, LANGUAGE_TOKENS, constraint=constraint)
+    program = smc_speculative.program(target, None, constraints=(constraint,), free_draft=LOOKUP)
+    schedule = Schedule(particles=4, ess_threshold=ess_threshold, max_tokens=LANGUAGE_TOKENS)
+    z_hats = [math.exp(program.run(WORDS_PROMPT, schedule, seed=s).log_ml) for s in range(3000)]
+    mean = sum(z_hats) / len(z_hats)
+    std_error = math.sqrt(sum((z - mean) ** 2 for z in z_hats) / (len(z_hats) - 1) / len(z_hats))
+    # 5 standard errors: a false alarm has probability ~1e-6 under the CLT
+    assert abs(mean - math.exp(log_z)) < 5 * std_error
+    assert std_error < 0.05 * math.exp(log_z)

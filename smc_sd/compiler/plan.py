@@ -77,12 +77,16 @@ class StepPlan:
     ) -> Result:
         """Run the plan on one prompt with a generator seeded by `seed`."""
         from smc_sd.engine.smc import run_smc
+        from smc_sd.engine.smc_free import run_smc_free
         from smc_sd.engine.speculative import run_speculative
 
         if len(prompt) == 0:
             raise ValueError("the prompt is empty; give at least one token")
         generator = torch.Generator().manual_seed(seed)
-        loop = run_smc if self.verification == "importance" else run_speculative
+        if self.verification == "importance":
+            loop = run_smc if self.free is None else run_smc_free
+        else:
+            loop = run_speculative
         return loop(self, list(prompt), generator, on_cycle)
 
 
@@ -119,10 +123,16 @@ def check_settings(program, schedule) -> None:
             _require(free.max_len >= 1, f"a free draft's block length must be >= 1, got {free.max_len}")
             _require(free.min_match >= 1, f"a free draft's lookup match must be >= 1 token, got {free.min_match}")
             _require(free.forced or free.lookup, "a free draft needs at least one source (forced tokens or lookup)")
-            _require(
-                program.verification == "accept-reject",
-                "free drafts run with exact speculative verification (sd, mask-at-verify) so far",
-            )
+            if program.verification == "importance":
+                _require(
+                    proposal.lm is None,
+                    "smc-sd with a free draft extends particles by exact speculative sampling of the "
+                    "locally masked target, with the free draft alone: use --draft free",
+                )
+                _require(
+                    not target.potentials and program.twist is None,
+                    "smc-sd with a free draft takes no block-end potentials or twist yet",
+                )
         _require(proposal.draft_len >= 1, f"draft length K must be >= 1, got {proposal.draft_len}")
         _require(0 <= proposal.temperature < math.inf, f"draft temperature must be >= 0 and finite, got {proposal.temperature}")
         _require(
