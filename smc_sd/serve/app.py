@@ -103,6 +103,12 @@ def build_app(server: Server) -> FastAPI:
     async def api_error(_request, error: APIError):
         return JSONResponse(error.body(), status_code=error.status)
 
+    @app.exception_handler(Exception)
+    async def internal_error(_request, error: Exception):
+        # a bug, not bad input: still one line in OpenAI's shape
+        failed = run_failed(error)
+        return JSONResponse(failed.body(), status_code=failed.status)
+
     @app.get("/v1/models")
     async def models():
         return {"object": "list", "data": [{"id": server.model.name, "object": "model", "created": server.created,
@@ -141,7 +147,8 @@ async def complete(server: Server, client: HTTPRequest, endpoint: str):
     parsed = await asyncio.to_thread(parse, body, endpoint, server.model)
     requests = await asyncio.to_thread(server.requests, parsed)
     await asyncio.to_thread(server.check, requests, endpoint)
-    run = Run(server.engine, requests, asyncio.get_running_loop())
+    run = Run(asyncio.get_running_loop())
+    await asyncio.to_thread(run.submit, server.engine, requests)
     shapes = Shapes(endpoint, server.model.name)
     if parsed.stream:
         return StreamingResponse(stream(server, parsed, requests, run, shapes), media_type="text/event-stream")

@@ -24,6 +24,8 @@ from smc_sd.serve.errors import bad_request, unknown_model
 from smc_sd.serve.fields import ARRAY, BOOLEAN, INTEGER, NUMBER, OBJECT, STRING, check_fields, read, shown
 from smc_sd.serve.structured import constraint_potentials
 
+#: choices one request may ask for (n times the prompts)
+MAX_CHOICES = 128
 #: generated tokens per choice when the body gives neither max_tokens nor max_completion_tokens
 DEFAULT_MAX_TOKENS = 128
 #: the SMC settings a body may carry, as (field, kind)
@@ -112,6 +114,8 @@ def parse(body, endpoint: str, model: ServedModel) -> Parsed:
     n = read(body, "n", INTEGER, 1)
     if n < 1:
         raise bad_request(f"n must be >= 1, got {n}", "n")
+    if n * len(prompts) > MAX_CHOICES:
+        raise bad_request(f"n times the prompts must be at most {MAX_CHOICES}, got {n} x {len(prompts)}", "n")
     seed = read(body, "seed", INTEGER)
     seed = secrets.randbits(63) if seed is None else seed
     stream = read(body, "stream", BOOLEAN, False)

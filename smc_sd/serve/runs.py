@@ -12,31 +12,40 @@ from __future__ import annotations
 import asyncio
 from typing import AsyncIterator
 
-from smc_sd.serve.errors import queue_full
+from smc_sd.serve.errors import engine_dead, queue_full
 
 #: seconds between checks that a waiting client is still connected
 DISCONNECT_POLL_SECONDS = 0.5
 
 
 class Run:
-    """The children of one HTTP request, submitted to the engine in order (choice index = position).
+    """The children of one HTTP request; choice index = position in the submitted list."""
 
-    Raises (at construction):
-        APIError: 429 when the engine's queue is full; the children already queued are cancelled.
-    """
-
-    def __init__(self, engine, requests: list, loop: asyncio.AbstractEventLoop):
-        from smc_sd.engine.batch import QueueFullError
-
+    def __init__(self, loop: asyncio.AbstractEventLoop):
         self.loop = loop
         self.queue: asyncio.Queue = asyncio.Queue()
         self.handles = []
+
+    def submit(self, engine, requests: list) -> None:
+        """Submit every child (call it off the event loop: `submit` compiles each request).
+
+        Raises:
+            APIError: 429 when the engine's queue is full, 503 when the engine has died; the
+                children already queued are cancelled.
+        """
+        from smc_sd.engine.batch import QueueFullError
+
         try:
             for index, request in enumerate(requests):
                 self.handles.append(engine.submit(request, on_event=self._receiver(index)))
         except QueueFullError:
             self.cancel()
             raise queue_full(engine.max_waiting) from None
+        except RuntimeError:
+            self.cancel()
+            if engine.dead is None:
+                raise
+            raise engine_dead(engine.dead) from None
 
     def _receiver(self, index: int):
         def receive(event) -> None:
