@@ -35,7 +35,7 @@ class Precision:
 
     @property
     def name(self) -> str:
-        """"float32" or "bfloat16"."""
+        """The dtype's torch name: float32 or bfloat16 (float16 when a vLLM engine is asked for it)."""
         return str(self.dtype).removeprefix("torch.")
 
 
