@@ -6,7 +6,8 @@ grid) each prompt is decoded once with a fixed seed. Reported per configuration:
 - target_passes_per_token: target forwards, the prompt's included, per generated token;
 - speedup_vs_ar: tokens_per_second / that of "ar" measured in the same run;
 - mean_target_logprob (and its standard error): fidelity, the mean over generated tokens of
-  log p_T(x_t | x_<t) at T = 1; logprob_ratio_vs_ar: that mean / ar's (1.03 = 3% lower);
+  log p_T(x_t | x_<t) at T = 1 (scored by the run's target, in its dtype); logprob_ratio_vs_ar:
+  that mean / ar's (1.03 = 3% lower);
 - mean_ess_per_cycle: the mean ESS (out of N) after each cycle's weight update;
 - the row "hf-generate" is transformers' own `generate` (sampling at T = 1, no top-k/top-p), a
   second anchor beside the library's ar;
