@@ -1,6 +1,8 @@
 """`smc-sd serve`: the server runs as a subprocess on a free loopback port (`--port 0`) over the
-default model, and the tests talk to it with the official `openai` client (raw HTTP with urllib
-where the client cannot send the request). Each server is stopped by its own process handle.
+default model (marker `model`), and the tests talk to it with the official `openai` client (raw
+HTTP with urllib where the client cannot send the request). Each server is stopped by its own
+process handle. The app's answers when the engine has died and the stream's text deltas are
+tested in-process, without a model.
 
 The same seed alone on the engine gives the same output, so a streamed answer and a whole one
 for one seed can be compared exactly; every test here runs its requests one at a time except
@@ -12,86 +14,20 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import json
-import os
 import re
-import subprocess
-import sys
-import threading
 import time
 import types
-import urllib.error
-import urllib.request
 
 import jsonschema
 import openai
 import pytest
 
 from smc_sd.serve.metrics import METRICS
+from tests.serve_process import MODEL, ServerProcess, http
 
-pytestmark = pytest.mark.model
+model = pytest.mark.model
 
-MODEL = "SmolLM2-135M-Instruct"
-SERVE = [sys.executable, "-m", "smc_sd.cli", "serve", "--port", "0"]
-#: seconds a server may take to start (the first run converts the default model, about 35 s)
-START_SECONDS = 300
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
-
-
-class ServerProcess:
-    """`smc-sd serve` in a subprocess; `url` is its API base, `stderr` the lines it wrote."""
-
-    def __init__(self, *flags: str):
-        env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
-        self.process = subprocess.Popen([*SERVE, *flags], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                        stderr=subprocess.PIPE, text=True, env=env)
-        self.stderr: list[str] = []
-        ready = threading.Event()
-        self.url = None
-
-        def read():
-            for line in self.process.stderr:
-                self.stderr.append(line.rstrip("\n"))
-                found = re.search(r" on (http://\S+/v1)$", line.strip())
-                if found and self.url is None:
-                    self.url = found.group(1)
-                    ready.set()
-            ready.set()
-
-        threading.Thread(target=read, daemon=True).start()
-        if not ready.wait(START_SECONDS) or self.url is None:
-            self.stop()
-            raise RuntimeError("the server did not start:\n" + "\n".join(self.stderr[-20:]))
-
-    def client(self) -> openai.OpenAI:
-        return openai.OpenAI(base_url=self.url, api_key="none", max_retries=0, timeout=300)
-
-    def get(self, path: str) -> tuple[int, str]:
-        """(status, body) of GET `path` (e.g. "/metrics") on the server's root."""
-        return http(self.url.removesuffix("/v1") + path)
-
-    def metrics(self) -> dict[str, float]:
-        status, text = self.get("/metrics")
-        assert status == 200
-        return {line.split()[0]: float(line.split()[1]) for line in text.splitlines() if not line.startswith("#")}
-
-    def stop(self) -> None:
-        """Stop this server's process (SIGTERM, then SIGKILL after 30 s)."""
-        self.process.terminate()
-        try:
-            self.process.wait(30)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait(30)
-
-
-def http(url: str, body: bytes | None = None) -> tuple[int, str]:
-    """(status, body text) of a GET, or of a POST of `body` as application/json."""
-    request = urllib.request.Request(url, data=body, headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(request, timeout=60) as response:
-            return response.status, response.read().decode()
-    except urllib.error.HTTPError as error:
-        return error.code, error.read().decode()
 
 
 @pytest.fixture(scope="module")
@@ -111,6 +47,7 @@ def smc(choice) -> dict:
     return choice.model_extra["smc"]
 
 
+@model
 def test_models_health_and_metrics(server, client):
     assert [model.id for model in client.models.list().data] == [MODEL]
     assert server.get("/health") == (200, "")
@@ -119,6 +56,7 @@ def test_models_health_and_metrics(server, client):
     assert values["smc_sd_requests_running"] == 0 and values["smc_sd_requests_waiting"] == 0
 
 
+@model
 def test_chat_and_completion_answer_with_their_smc_diagnostics(server, client):
     before = server.metrics()
     answer = client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=12, seed=3,
@@ -147,6 +85,7 @@ def test_chat_and_completion_answer_with_their_smc_diagnostics(server, client):
     assert smc(completion.choices[0])["method"] == "ar" and smc(completion.choices[0])["acceptance"] is None
 
 
+@model
 def test_n_choices_run_with_seeds_seed_plus_i(client):
     answer = client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=6, seed=10, n=3,
                                             extra_body={"method": "sd", "draft_len": 2})
@@ -155,6 +94,7 @@ def test_n_choices_run_with_seeds_seed_plus_i(client):
     assert all(0 <= smc(c)["acceptance"] <= 1 for c in answer.choices)
 
 
+@model
 @pytest.mark.parametrize("endpoint, extra, min_chunks", [
     # one particle: its tokens are final as they come, so the text flows cycle by cycle
     ("chat", {"particles": 1, "draft_len": 3}, 3),
@@ -194,6 +134,7 @@ SCHEMA = {
 }
 
 
+@model
 def test_response_format_json_schema_output_validates(client):
     answer = client.chat.completions.create(
         model=MODEL, messages=[{"role": "user", "content": "Give the capital of France and its population as JSON."}],
@@ -209,6 +150,7 @@ def test_response_format_json_schema_output_validates(client):
     assert isinstance(json.loads(answer.choices[0].message.content), dict)
 
 
+@model
 @pytest.mark.parametrize("structured, valid", [
     ({"regex": "(Yes|No)[.!]"}, lambda text: re.fullmatch(r"(Yes|No)[.!]", text)),
     ({"grammar": 'start: NUMBER " + " NUMBER\nNUMBER: /[1-9][0-9]?/'}, lambda text: re.fullmatch(r"[1-9][0-9]? \+ [1-9][0-9]?", text)),
@@ -267,6 +209,7 @@ BAD_INPUT = [
 ]
 
 
+@model
 @pytest.mark.parametrize("fields, param, phrase", BAD_INPUT, ids=lambda case: json.dumps(case)[:60] if isinstance(case, dict) else None)
 def test_bad_chat_input_is_a_400_in_openai_shape(fields, param, phrase, client):
     body = {"messages": QUESTION, "max_tokens": 4} | fields
@@ -280,6 +223,7 @@ def test_bad_chat_input_is_a_400_in_openai_shape(fields, param, phrase, client):
         assert error["param"] == param
 
 
+@model
 @pytest.mark.parametrize("prompt, phrase", [
     (LONG_PROMPT, "context window"),
     ([1, 2, 99999999], "token id outside 0 .. 49151"),
@@ -292,6 +236,7 @@ def test_bad_completion_prompt_is_a_400(prompt, phrase, client):
     assert phrase in caught.value.body["message"] and caught.value.body["param"] == "prompt"
 
 
+@model
 def test_other_refusals(server, client):
     with pytest.raises(openai.NotFoundError) as caught:
         client.chat.completions.create(model="gpt-4", messages=QUESTION)
@@ -302,6 +247,7 @@ def test_other_refusals(server, client):
     assert status == 400 and "must be a JSON object" in json.loads(text)["error"]["message"]
 
 
+@model
 def test_16_concurrent_requests_complete_and_are_valid(server, client):
     # a mix of methods, particle counts, draft lengths and constraints in one batch
     def ask(i: int):
@@ -324,6 +270,7 @@ def test_16_concurrent_requests_complete_and_are_valid(server, client):
     assert values["smc_sd_requests_running"] == 0 and values["smc_sd_requests_waiting"] == 0
 
 
+@model
 def test_a_cancelled_stream_returns_its_kv_blocks(server, client):
     baseline = server.metrics()["smc_sd_kv_blocks_in_use"]
     stream = client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=400, seed=7, stream=True,
@@ -347,6 +294,7 @@ def test_a_cancelled_stream_returns_its_kv_blocks(server, client):
     assert values["smc_sd_kv_blocks_in_use"] == baseline
 
 
+@model
 def test_a_full_queue_is_a_429():
     process = ServerProcess("--max-running", "1", "--max-waiting", "1")
     try:
@@ -363,3 +311,47 @@ def test_a_full_queue_is_a_429():
         waiting.close()
     finally:
         process.stop()
+
+
+def test_stream_deltas_hold_back_partial_characters_and_stop_strings():
+    from smc_sd.serve.text import TextDeltas, cut_at_stop
+
+    pieces = ["he", "llo", " wo", "r", "ld", "caf", "\ufffd", "é"]
+    decode = lambda ids: "".join(pieces[i] for i in ids)
+    deltas = TextDeltas(decode, stop=("wor",))
+    # " wo" may become the stop string "wor": held back, then dropped when it does
+    assert [deltas.delta(list(range(n))) for n in (1, 2, 3, 4, 5)] == ["he", "llo", " ", "", ""]
+    assert deltas.rest(cut_at_stop(decode(range(5)), ("wor",))[0]) == "" and deltas.sent == "hello "
+    deltas = TextDeltas(lambda ids: "caf\ufffd" if ids == [5, 6] else decode(ids), stop=())
+    # an incomplete UTF-8 character (U+FFFD) waits for its last byte
+    assert [deltas.delta([5]), deltas.delta([5, 6]), deltas.rest("café")] == ["caf", "", "é"]
+
+
+def asgi_request(app, method: str, path: str, body: bytes = b"") -> tuple[int, dict]:
+    """(status, JSON body) of one request to an ASGI app, in-process (no lifespan, no socket)."""
+    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": method, "scheme": "http",
+             "path": path, "raw_path": path.encode(), "query_string": b"", "root_path": "",
+             "headers": [(b"content-type", b"application/json")], "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 80)}
+    incoming = [{"type": "http.request", "body": body, "more_body": False}]
+    sent = []
+
+    async def receive():
+        return incoming.pop(0) if incoming else {"type": "http.disconnect"}
+
+    async def send(message):
+        sent.append(message)
+
+    asyncio.run(app(scope, receive, send))
+    return sent[0]["status"], json.loads(b"".join(m.get("body", b"") for m in sent[1:]))
+
+
+def test_a_dead_engine_turns_health_and_requests_into_503s():
+    from smc_sd.serve.app import Server, build_app
+
+    target = types.SimpleNamespace(tokenizer=None, vocabulary=types.SimpleNamespace(size=8), max_length=64)
+    engine = types.SimpleNamespace(dead=RuntimeError("the target pass failed"))
+    app = build_app(Server(engine, target, None, "tiny"))
+    status, body = asgi_request(app, "GET", "/health")
+    assert status == 503 and body["error"]["code"] == "engine_dead" and "the target pass failed" in body["error"]["message"]
+    status, body = asgi_request(app, "POST", "/v1/chat/completions", json.dumps({"model": "tiny", "messages": []}).encode())
+    assert status == 503 and body["error"]["type"] == "service_unavailable"
