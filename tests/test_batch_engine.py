@@ -131,3 +131,246 @@ def test_a_backend_without_ragged_rows_serves_one_request_at_a_time_with_the_sam
         assert_same_outcome(outcome(handle), alone(request))
     for lm in (target, draft):
         assert lm.manager.pool.live == 0 and len(lm.manager.trie) == 0
+
+
+# --- the laws Program.run is tested for, batched among requests of other settings -------------
+
+
+def test_batched_requests_keep_their_laws_among_requests_of_other_settings():
+    target, draft = target_and_draft(noise=1.0)
+    constraint = language_constraint()
+    laws = {
+        # name: (program, schedule, runs)
+        "target": (smc_speculative.program(target, draft, draft_len=3), Schedule(64, max_tokens=4), 2000),
+        "power": (smc_speculative.program(target, draft, alpha=2.0, draft_len=2), Schedule(64, max_tokens=3), 2000),
+        "conditional": (smc_speculative.program(target, draft, draft_len=2, constraints=(constraint,)), Schedule(16, max_tokens=4), 300),
+        "z_hat": (smc_speculative.program(target, draft, alpha=2.0, draft_len=2), Schedule(4, ess_threshold=1.0, max_tokens=5), 3000),
+    }
+    exact = {
+        "target": target.completion_distribution(PROMPT, 4)[0],
+        "power": target.completion_distribution(PROMPT, 3, alpha=2.0)[0],
+        "conditional": target.completion_distribution(PROMPT, 4, constraint=constraint)[0],
+    }
+    z = math.exp(target.completion_distribution(PROMPT, 5, alpha=2.0)[1])
+    noise = mixed_requests(target, draft, 9)
+    requests, names = [], []
+    for i in range(max(runs for _, _, runs in laws.values())):
+        for name, (program, schedule, runs) in laws.items():
+            if i < runs:
+                requests.append(Request(PROMPT, program, schedule, seed=i))
+                names.append(name)
+        # requests of other settings and prompts in between
+        requests.append(noise[i % len(noise)])
+        names.append("noise")
+    engine = BatchEngine(target, draft, max_running=48, max_waiting=len(requests), max_slots=48 * 64)
+    results = [h.result(0) for h in run_all(engine, requests)]
+    samples = {name: [tuple(r.tokens) for r, n in zip(results, names) if n == name] for name in laws}
+    for name, law in exact.items():
+        assert total_variation(empirical(samples[name]), law) < tv_tolerance(law, len(samples[name])), name
+    assert all(in_language(x) for x in samples["conditional"])
+    z_hats = [math.exp(r.log_ml) for r, n in zip(results, names) if n == "z_hat"]
+    mean = sum(z_hats) / len(z_hats)
+    std_error = math.sqrt(sum((x - mean) ** 2 for x in z_hats) / (len(z_hats) - 1) / len(z_hats))
+    # 5 standard errors: a false alarm has probability ~1e-6 under the CLT
+    assert abs(mean - z) < 5 * std_error and std_error < 0.05 * z
+
+
+def stopped_distribution(law: dict, stop: str, decode) -> dict:
+    """The law of completions cut at the token that first completes `stop` in their text."""
+    out: dict = {}
+    for x, p in law.items():
+        cut = next((x[: c + 1] for c in range(len(x)) if stop in decode(list(x[: c + 1]))), x)
+        out[cut] = out.get(cut, 0.0) + p
+    return out
+
+
+def test_stop_strings_end_particles_at_the_token_that_completes_them():
+    target, draft = target_and_draft(noise=1.0)
+    stop, max_tokens = "ba", 5
+    law = stopped_distribution(target.completion_distribution(PROMPT, max_tokens)[0], stop, target.decode)
+    assert sum(p for x, p in law.items() if target.decode(list(x)).endswith(stop)) > 0.2
+    programs = [
+        (autoregressive.program(target), Schedule(1, max_tokens=max_tokens), 3000),
+        (speculative.program(target, draft, draft_len=3), Schedule(1, max_tokens=max_tokens), 3000),
+        (smc_speculative.program(target, draft, draft_len=3), Schedule(32, max_tokens=max_tokens), 2000),
+    ]
+    for program, schedule, runs in programs:
+        engine = BatchEngine(target, draft, max_running=32, max_waiting=runs, max_slots=32 * 32)
+        handles = run_all(engine, [Request(PROMPT, program, schedule, seed=s, stop=(stop,)) for s in range(runs)])
+        results = [h.result(0) for h in handles]
+        for result in results:
+            for tokens, finished in zip(result.particles, result.finished):
+                text = target.decode(tokens)
+                # a stop string only at the end, and a particle that ends with one has finished
+                assert stop not in text[:-1] and (finished or not text.endswith(stop))
+        samples = [tuple(r.tokens) for r in results]
+        assert total_variation(empirical(samples), law) < tv_tolerance(law, runs), program.name
+
+
+# --- streaming, cancellation, failures, refusals ----------------------------------------------
+
+
+def test_agreed_tokens_only_grow_and_the_result_completes_them():
+    target, draft = target_and_draft(noise=1.0)
+    requests = mixed_requests(target, draft, 18)
+    events: dict[int, list] = {i: [] for i in range(len(requests))}
+    engine = BatchEngine(target, draft, max_running=5)
+    handles = [engine.submit(r, on_event=events[i].append) for i, r in enumerate(requests)]
+    while engine.step():
+        pass
+    for i, handle in enumerate(handles):
+        kinds = [e.kind for e in events[i]]
+        assert kinds[-1] == "done" and set(kinds[:-1]) <= {"tokens"}
+        streamed = [e.stable_tokens for e in events[i][:-1]]
+        final = events[i][-1]
+        assert final.result is handle.result(0) and final.stable_tokens == final.result.tokens
+        for before, after in zip(streamed, streamed[1:] + [final.stable_tokens]):
+            assert len(after) > len(before) or after is final.stable_tokens
+            assert after[: len(before)] == before
+
+
+def test_cancelled_and_failing_requests_leave_and_free_everything_without_touching_the_others():
+    target, draft = target_and_draft(noise=1.0)
+    requests = mixed_requests(target, draft, 12)
+    # every prefix has twist psi = 0: all weights reach zero at the first block end
+    dying = Request(PROMPT, smc_speculative.program(target, draft, twist=lambda p: torch.full((len(p),), -math.inf)), Schedule(4, max_tokens=6))
+    unsatisfiable = Request(PROMPT, smc_speculative.program(target, draft, constraints=(language_constraint((), lambda x: False),)), Schedule(4))
+    engine = BatchEngine(target, draft, max_running=6)
+    events: list = []
+    cancelled_early = engine.submit(Request([1, 2], requests[0].program, requests[0].schedule, seed=3), events.append)
+    cancelled_running = engine.submit(Request([2, 0], requests[0].program, Schedule(8, max_tokens=30), seed=5), events.append)
+    handles = [engine.submit(r) for r in requests[:6]]
+    failing = [engine.submit(dying), engine.submit(unsatisfiable)]
+    handles += [engine.submit(r) for r in requests[6:]]
+    cancelled_early.cancel()
+    engine.step()
+    engine.step()
+    assert not cancelled_running.done
+    cancelled_running.cancel()
+    while engine.step():
+        engine.table.check_invariants()
+    for handle in (cancelled_early, cancelled_running):
+        with pytest.raises(CancelledError):
+            handle.result(0)
+    assert [e.kind for e in events].count("error") == 2 and all(isinstance(e.error, CancelledError) for e in events if e.kind == "error")
+    assert_same_outcome(outcome(failing[0]), alone(dying))
+    assert_same_outcome(outcome(failing[1]), alone(unsatisfiable))
+    for request, handle in zip(requests, handles):
+        assert_same_outcome(outcome(handle), alone(request))
+    assert engine.table.free == engine.table.max_slots and engine.target_rows.rows is None and engine.draft_rows.rows is None
+    stats = engine.stats()
+    assert stats["requests_running"] == stats["requests_waiting"] == stats["kv_blocks_in_use"] == 0 and math.isnan(stats["ess_mean"])
+
+
+def test_a_failing_backend_kills_the_engine_and_every_request_hears_of_it():
+    target, draft = target_and_draft(noise=1.0)
+
+    class Broken(ToyLM):
+        def open(self, prompt, batch_size):
+            raise RuntimeError("the device fell off")
+
+    broken = Broken(target.logits, 4)
+    program = smc_speculative.program(broken, draft)
+    engine = BatchEngine(broken, draft)
+    handles = [engine.submit(Request(PROMPT, program, Schedule(2, max_tokens=4), seed=s)) for s in range(3)]
+    with pytest.raises(RuntimeError, match="fell off"):
+        engine.step()
+    assert isinstance(engine.dead, RuntimeError)
+    for handle in handles:
+        with pytest.raises(RuntimeError, match="fell off"):
+            handle.result(0)
+    with pytest.raises(RuntimeError, match="stopped after an error"):
+        engine.submit(Request(PROMPT, program, Schedule(2)))
+
+
+def test_bad_requests_are_refused_before_they_join():
+    target, draft = target_and_draft(noise=1.0)
+    other = ToyLM.random(4, seed=9)
+    engine = BatchEngine(target, draft, max_running=2, max_waiting=1, max_slots=8)
+    program = smc_speculative.program(target, draft)
+    cases = [
+        (Request([], program, Schedule(2)), ValueError, "prompt is empty"),
+        (Request(PROMPT, autoregressive.program(other), Schedule(1)), ValueError, "not the engine's target"),
+        (Request(PROMPT, smc_speculative.program(target, other), Schedule(2)), ValueError, "not the engine's draft"),
+        (Request(PROMPT, program, Schedule(9)), ValueError, "9 particles exceed the engine's 8"),
+        (Request(PROMPT, program, Schedule(2), stop=("",)), ValueError, "non-empty"),
+        (Request(PROMPT, smc_speculative.program(target, draft, constraints=(language_constraint(),)), Schedule(2), stop=("a",)), ValueError, "stop strings cannot be combined"),
+        (Request(PROMPT, program, Schedule(2, max_tokens=300)), ValueError, "context window"),
+        (Request(PROMPT, program, Schedule(0)), ValueError, "particles must be >= 1"),
+    ]
+    for request, error, message in cases:
+        with pytest.raises(error, match=message):
+            engine.check(request)
+        with pytest.raises(error, match=message):
+            engine.submit(request)
+    engine.submit(Request(PROMPT, program, Schedule(2)))
+    with pytest.raises(QueueFullError, match="1 requests are waiting"):
+        engine.submit(Request(PROMPT, program, Schedule(2)))
+
+
+# --- the paged HF backend: a random tiny Llama, its KV in a shared block pool -----------------
+
+
+@pytest.fixture(scope="module")
+def llamas():
+    from tests.tiny_llama import lm, tiny_llama
+
+    # tiny blocks, so prompts span several blocks and share full ones
+    return lm(tiny_llama(seed=0), block_size=2), lm(tiny_llama(seed=1, layers=1), block_size=2)
+
+
+def llama_requests(target, draft) -> list[Request]:
+    system = [3, 1, 4, 1, 5, 9, 2]
+    menu = [
+        (smc_speculative.program(target, draft, draft_len=2), Schedule(3, max_tokens=10)),
+        (autoregressive.program(target), Schedule(1, max_tokens=8)),
+        (speculative.program(target, draft, draft_len=3), Schedule(1, max_tokens=10)),
+        (smc_speculative.program(target, draft, draft_len=1, alpha=2.0), Schedule(2, max_tokens=9)),
+    ]
+    return [Request(system + [10 + i] * (1 + i % 3), *menu[i % len(menu)], seed=i) for i in range(8)]
+
+
+def test_paged_hf_batch_matches_program_run_and_returns_every_block(llamas):
+    target, draft = llamas
+    requests = llama_requests(target, draft)
+    engine = BatchEngine(target, draft, max_running=8)
+    handles = [engine.submit(r) for r in requests]
+    engine._admit()
+    engine._reseat()
+    # the system prompt's 3 full blocks are stored once: every row of every request lists them
+    for rows in (engine.target_rows, engine.draft_rows):
+        assert len({tuple(row) for row in rows.rows._table.blocks[:, :3].tolist()}) == 1
+    while engine.step():
+        for lm in llamas:
+            lm._paged.manager.check_invariants(*[rows.rows._table for rows in (engine.target_rows, engine.draft_rows) if rows.rows is not None and rows.lm is lm])
+    for request, handle in zip(requests, handles):
+        batched, single = handle.result(0), alone(request)
+        assert batched.particles == single.particles and batched.chosen == single.chosen
+        assert torch.allclose(batched.log_weights, single.log_weights, atol=1e-4) and abs(batched.log_ml - single.log_ml) < 1e-4
+    for lm in llamas:
+        assert lm._paged.manager.pool.live == 0 and len(lm._paged.manager.trie) == 0
+
+
+def test_paged_hf_a_cancelled_request_returns_its_blocks(llamas):
+    target, draft = llamas
+    kept = Request([3, 1, 4, 1, 5, 9, 2, 6], smc_speculative.program(target, draft, draft_len=2), Schedule(3, max_tokens=24), seed=1)
+    cancelled = Request([3, 1, 4, 1, 5, 9, 7, 7, 7], smc_speculative.program(target, draft, draft_len=3), Schedule(4, max_tokens=24), seed=2)
+
+    def blocks_per_step(requests, cancel_at=None):
+        engine = BatchEngine(target, draft)
+        handles = [engine.submit(r) for r in requests]
+        blocks = []
+        while engine.step():
+            blocks.append(engine.stats()["kv_blocks_in_use"])
+            if len(blocks) == cancel_at:
+                handles[-1].cancel()
+        return blocks, handles
+
+    alone_blocks, _ = blocks_per_step([kept])
+    blocks, handles = blocks_per_step([kept, cancelled], cancel_at=3)
+    assert blocks[2] > alone_blocks[2], "the second request held no blocks of its own"
+    # from the step after the cancellation on, only the kept request's blocks are in use
+    assert blocks[3:] == alone_blocks[3:]
+    with pytest.raises(CancelledError):
+        handles[1].result(0)
+    assert handles[0].result(0).particles == kept.program.run(kept.prompt, kept.schedule, seed=1).particles

@@ -316,6 +316,8 @@ class BatchEngine:
             except Exception as error:
                 self._leave(entry, None, error)
                 continue
+            with self._lock:
+                self._running.append(entry)
             try:
                 bases, logits = self._join(entry.group)
             except NotImplementedError:
@@ -324,11 +326,10 @@ class BatchEngine:
                 entry.group = None
                 self._ragged = False
                 with self._lock:
+                    self._running.remove(entry)
                     self._waiting.appendleft(entry)
                 return joined
             joined = True
-            with self._lock:
-                self._running.append(entry)
             if self._attempt(entry, entry.group.begin, logits, *bases):
                 self._finish_or_report(entry)
 

@@ -1,0 +1,153 @@
+"""Many prompts in one batch (`Program.run_many`) against one `Program.run` call per prompt.
+
+For each method (ar, and smc-sd N=4 K=4 with the default draft) the same chat prompts are decoded
+twice with the same settings and seeds: one `Program.run` call after another, then one
+`Program.run_many` over all of them (up to --max-running in the batch at once). Reported per
+method:
+- tokens_per_second of each way: generated tokens of the returned texts / wall seconds, and
+  speedup = batched / sequential (the goal is >= 3 at 32 prompts);
+- target_passes: the batched run's target forwards (one per cycle over every request's rows)
+  against the sum of the sequential runs' cycles;
+- same_tokens: prompts whose returned tokens agree between the two ways (the laws make them
+  equal; float round-off between batch shapes can flip a rare draw).
+
+And the KV cache of the prompts: SmolLM2's chat template puts one system prompt before every
+question, so all prompts share a prefix. Right after every request has joined (before any
+decoding) the target's pool holds `kv_blocks_joined` blocks; `kv_blocks_unshared` is what the
+same prompts hold with no sharing across requests (each request's prompt blocks, counted
+alone); `system_prompt_blocks` full blocks of the common prefix are stored once.
+
+The torch thread count is 1 (the machine is shared); check `uptime` first and run only when it
+is quiet. Model load is excluded from every timing.
+
+Usage: python benchmarks/run_many.py [--prompts 32] [--max-tokens 64] [--max-running 32]
+       [--methods ar,smc-sd]
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import time
+
+import torch
+from _common import build_program, emit, environment, load_default_models
+
+QUESTIONS = [
+    "What is the capital of France?", "Explain how a bicycle works.", "Write a haiku about rain.",
+    "Why is the sky blue?", "Give three uses of a paper clip.", "What is photosynthesis?",
+    "Describe a lighthouse at night.", "How do vaccines work?", "Name a famous painter and a work.",
+    "What does a compiler do?", "Suggest a name for a cat.", "How far is the Moon?",
+    "What is the boiling point of water?", "Write one sentence about autumn.", "What is a prime number?",
+    "Explain gravity to a child.", "What are clouds made of?", "How do bees make honey?",
+    "Tell me a fact about octopuses.", "What is the tallest mountain?", "How does a rainbow form?",
+    "What is an atom?", "Describe the taste of lemon.", "Why do leaves change colour?",
+    "What is the speed of light?", "Give a tip for learning to cook.", "What is democracy?",
+    "How do planes fly?", "What is a volcano?", "Write a short greeting for a friend.",
+    "What is the largest ocean?", "How does the heart pump blood?",
+]
+
+METHODS = {"ar": dict(particles=1), "smc-sd": dict(particles=4, draft_len=4)}
+
+
+def chat_prompts(tokenizer, count: int) -> list[list[int]]:
+    from smc_sd.backends.hf import chat_prompt
+
+    return [chat_prompt(tokenizer, QUESTIONS[i % len(QUESTIONS)]) for i in range(count)]
+
+
+def common_prefix(prompts: list[list[int]]) -> int:
+    n = min(len(p) for p in prompts)
+    for i in range(n):
+        if any(p[i] != prompts[0][i] for p in prompts):
+            return i
+    return n
+
+
+def kv_of_joined_prompts(program, schedule, prompts, block_size: int) -> dict:
+    """Blocks the target's pool holds once every request has joined, against no sharing."""
+    from smc_sd.engine.batch import BatchEngine, Request
+
+    target = program.target.lm
+    draft = program.proposal.lm if program.proposal is not None else None
+    engine = BatchEngine(target, draft, max_running=len(prompts), max_slots=len(prompts) * schedule.particles)
+    handles = [engine.submit(Request(p, program, schedule, seed=i)) for i, p in enumerate(prompts)]
+    # admit everyone and draw the first tokens, without decoding a cycle
+    engine._admit()
+    engine._reseat()
+    joined = engine.target_rows.memory()["live_blocks"]
+    for handle in handles:
+        handle.cancel()
+    while engine.step():
+        pass
+    shared = common_prefix(prompts)
+    return {
+        "common_prefix_tokens": shared,
+        "system_prompt_blocks": shared // block_size,
+        "kv_blocks_joined": joined,
+        "kv_blocks_unshared": sum(math.ceil(len(p) / block_size) for p in prompts),
+        "kv_block_size": block_size,
+    }
+
+
+def measure(method: str, target, draft, prompts, max_tokens: int, max_running: int) -> dict:
+    settings = METHODS[method]
+    program = build_program(method, target, draft, **{k: v for k, v in settings.items() if k != "particles"})
+    from smc_sd.program import Schedule
+
+    schedule = Schedule(settings["particles"], max_tokens=max_tokens)
+    seeds = list(range(len(prompts)))
+    # one untimed run warms the allocator and the trie code paths
+    program.run(prompts[0], Schedule(settings["particles"], max_tokens=4), seed=0)
+    started = time.perf_counter()
+    alone = [program.run(p, schedule, seed=s) for p, s in zip(prompts, seeds)]
+    sequential_seconds = time.perf_counter() - started
+    started = time.perf_counter()
+    batched = program.run_many(prompts, schedule, seeds=seeds, max_running=max_running)
+    batched_seconds = time.perf_counter() - started
+    tokens_alone = sum(len(r.tokens) for r in alone)
+    tokens_batched = sum(len(r.tokens) for r in batched)
+    return {
+        "method": method,
+        **settings,
+        "sequential": {"seconds": sequential_seconds, "tokens": tokens_alone, "tokens_per_second": tokens_alone / sequential_seconds,
+                       "target_passes": sum(r.target_passes for r in alone)},
+        "batched": {"seconds": batched_seconds, "tokens": tokens_batched, "tokens_per_second": tokens_batched / batched_seconds},
+        "speedup": (tokens_batched / batched_seconds) / (tokens_alone / sequential_seconds),
+        "same_tokens": sum(a.tokens == b.tokens for a, b in zip(alone, batched)),
+        "kv": kv_of_joined_prompts(program, schedule, prompts, target.block_size),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--prompts", type=int, default=32)
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--max-running", type=int, default=32)
+    parser.add_argument("--methods", default="ar,smc-sd")
+    parser.add_argument("--no-write", action="store_true", help="print only; do not write results/run_many.json")
+    args = parser.parse_args()
+    methods = args.methods.split(",")
+    unknown = sorted(set(methods) - set(METHODS))
+    if unknown:
+        parser.error(f"unknown method(s) {unknown}; choose from {sorted(METHODS)}")
+    torch.set_num_threads(1)
+    target, draft = load_default_models()
+    prompts = chat_prompts(target.tokenizer, args.prompts)
+    rows = [measure(m, target, draft, prompts, args.max_tokens, args.max_running) for m in methods]
+    emit(
+        "run_many",
+        {
+            "benchmark": "run_many",
+            "environment": environment(),
+            "prompts": args.prompts,
+            "max_tokens": args.max_tokens,
+            "max_running": args.max_running,
+            "rows": rows,
+        },
+        write=not args.no_write,
+    )
+
+
+if __name__ == "__main__":
+    main()
