@@ -20,7 +20,7 @@ from smc_sd.backends.toy import ToyLM
 from smc_sd.engine.batch import BatchEngine, QueueFullError, Request, run_many
 from smc_sd.engine.result import AllParticlesDiedError
 from smc_sd.metrics import empirical, total_variation, tv_tolerance
-from smc_sd.program import Schedule
+from smc_sd.program import FreeDraft, Schedule
 from smc_sd.programs import autoregressive, mask_at_verify, smc_speculative, speculative
 from tests.test_constraints import in_language, language_constraint
 from tests.toy_programs import PROMPT, target_and_draft
@@ -35,8 +35,8 @@ def same(a, b) -> bool:
         and (a.log_ml == b.log_ml or (math.isnan(a.log_ml) and math.isnan(b.log_ml)))
         and a.chosen == b.chosen
         and a.complete == b.complete
-        and [(c.ess, c.resampled, c.tokens, c.rows, c.accepted) for c in a.cycles]
-        == [(c.ess, c.resampled, c.tokens, c.rows, c.accepted) for c in b.cycles]
+        and a.cycles == b.cycles
+        and (a.target_passes, a.draft_passes) == (b.target_passes, b.draft_passes)
     )
 
 
@@ -297,6 +297,7 @@ def test_bad_requests_are_refused_before_they_join():
         (Request(PROMPT, smc_speculative.program(target, draft, constraints=(language_constraint(),)), Schedule(2), stop=("a",)), ValueError, "stop strings cannot be combined"),
         (Request(PROMPT, program, Schedule(2, max_tokens=300)), ValueError, "context window"),
         (Request(PROMPT, program, Schedule(0)), ValueError, "particles must be >= 1"),
+        (Request(PROMPT, speculative.program(target, draft, free_draft=FreeDraft()), Schedule(1)), ValueError, "free drafts do not run in the batched engine"),
     ]
     for request, error, message in cases:
         with pytest.raises(error, match=message):

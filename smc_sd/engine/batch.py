@@ -276,6 +276,8 @@ class BatchEngine:
             raise ValueError("the prompt is empty; give at least one token")
         if program.target.lm is not self.target:
             raise ValueError("the request's target model is not the engine's target")
+        if program.proposal is not None and getattr(program.proposal, "free", None) is not None:
+            raise ValueError("free drafts do not run in the batched engine yet; use Program.run")
         if program.proposal is not None and program.proposal.lm is not self.draft:
             raise ValueError("the request's draft model is not the engine's draft")
         if schedule.particles > self.table.max_slots:

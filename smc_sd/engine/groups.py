@@ -329,7 +329,7 @@ class SpeculativeGroup(Group):
         new = trim_at_eos(draft.tokens[0, :accepted].tolist() + [emitted], self.eos)[:budget]
         self.accepted += accepted
         self.drafted += plan.draft_len
-        self.cycles.append(CycleStats(1.0, False, 0.0, self._append(new), 1, accepted=accepted))
+        self.cycles.append(CycleStats(1.0, False, 0.0, self._append(new), 1, accepted=accepted, proposed=draft.tokens.shape[1]))
 
     def result(self, kv: dict | None) -> Result:
         tokens, masker = self.tokens, self.plan.masker
