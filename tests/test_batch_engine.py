@@ -17,7 +17,7 @@ import torch
 
 from smc_sd.backends.dry_run import DryRunLM
 from smc_sd.backends.toy import ToyLM
-from smc_sd.engine.batch import BatchEngine, QueueFullError, Request, run_many
+from smc_sd.engine.batch import BatchEngine, QueueFullError, Request
 from smc_sd.engine.result import AllParticlesDiedError
 from smc_sd.metrics import empirical, total_variation, tv_tolerance
 from smc_sd.program import FreeDraft, Schedule
