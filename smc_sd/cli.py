@@ -60,7 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--regex", default=None, help="constrain the output to match this regular expression")
     g.add_argument("--grammar", default=None, metavar="FILE.lark", help="constrain the output to this Lark grammar")
-    g.add_argument("--json-schema", default=None, metavar="FILE.json", help="constrain the output to JSON valid under this schema")
+    g.add_argument("--json-schema", default=None, metavar="FILE.json|JSON", help="constrain the output to JSON valid under this schema (a file, or the schema itself: text starting with '{')")
     g.add_argument("--json-layout", default="compact", choices=["compact", "flexible"], help="the JSON's whitespace: compact (the default: none, separators ',' and ':', so keys and punctuation are forced and a free draft proposes them) or flexible (any whitespace between tokens)")
     g.add_argument("--raw", action="store_true", help="use the prompt as is, without the chat template")
     g.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
@@ -371,7 +371,11 @@ def constraint_potentials(args) -> tuple:
     from smc_sd.programs.constrained import potentials
 
     grammar = pathlib.Path(args.grammar).read_text() if args.grammar else None
-    schema = json.loads(pathlib.Path(args.json_schema).read_text()) if args.json_schema else None
+    schema = None
+    if args.json_schema is not None:
+        # the schema itself (text starting with "{") or the path of a file holding it
+        inline = args.json_schema.lstrip().startswith("{")
+        schema = json.loads(args.json_schema if inline else pathlib.Path(args.json_schema).read_text())
     return potentials(regex=args.regex, grammar=grammar, json_schema=schema, json_layout=getattr(args, "json_layout", "compact"))
 
 

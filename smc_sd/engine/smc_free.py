@@ -107,6 +107,24 @@ def extend_particle(plan, drafted: list[int], logits: torch.Tensor, masks, gener
     return drafted[:accepted] + [emitted], terms[: accepted + 1], accepted
 
 
+def distinct_rows(tokens: list[list[int]], running: list[int]) -> tuple[list[int], list[int]]:
+    """The rows of the running particles that hold distinct tokens, and each row's copy.
+
+    Returns:
+        (distinct, copy_of): the positions in `running` of the first particle of each distinct
+        token list, and for every position r in `running` the index into `distinct` of its tokens.
+    """
+    first: dict[tuple[int, ...], int] = {}
+    distinct, copy_of = [], []
+    for r, i in enumerate(running):
+        key = tuple(tokens[i])
+        if key not in first:
+            first[key] = len(distinct)
+            distinct.append(r)
+        copy_of.append(first[key])
+    return distinct, copy_of
+
+
 def run_smc_free(plan, prompt: list[int], generator: torch.Generator, on_cycle=None) -> Result:
     """Run an importance-verified StepPlan whose proposal is a free draft (module docstring).
 
@@ -145,21 +163,30 @@ def run_smc_free(plan, prompt: list[int], generator: torch.Generator, on_cycle=N
         if len(running) < n and running:
             target_rows.select(torch.tensor(running))
         while running:
-            drafted, masks = proposals(plan, drafter, tokens, running)
+            # particles holding equal tokens (copies made by resampling) get the same proposal
+            # and the same logits: one row computes them, and the copies share its KV blocks
+            distinct, copy_of = distinct_rows(tokens, running)
+            if len(distinct) < len(running):
+                target_rows.select(torch.tensor(distinct))
+            drafted, masks = proposals(plan, drafter, tokens, [running[r] for r in distinct])
             width = max(len(d) for d in drafted)
-            # [A, width + 1]: each row's unseen last token, its proposal, then filler
-            block = torch.tensor([[tokens[i][-1]] + d + [eos] * (width - len(d)) for i, d in zip(running, drafted)])
+            # [U, width + 1]: each distinct row's unseen last token, its proposal, then filler
+            block = torch.tensor([[tokens[running[r]][-1]] + d + [eos] * (width - len(d)) for r, d in zip(distinct, drafted)])
             lengths_before = target_rows.lengths
             logits = target_rows.extend(block)
+            if len(distinct) < len(running):
+                target_rows.select(torch.tensor(copy_of))
             kept_rows, added, accepted_total = [], [], 0
-            for r, (i, d) in enumerate(zip(running, drafted)):
-                emitted, terms, accepted = extend_particle(plan, d, logits[r, : len(d) + 1], masks[r], generator)
+            for r, i in enumerate(running):
+                u = copy_of[r]
+                d = drafted[u]
+                emitted, terms, accepted = extend_particle(plan, d, logits[u, : len(d) + 1], masks[u], generator)
                 new = trim_at_eos(emitted, eos)[: plan.max_tokens - len(tokens[i])]
                 # the weight counts the kept positions only (an EOS or the budget may cut the block)
                 logw[i] += math.fsum(terms[: len(new)])
                 tokens[i] += new
                 # the target keeps the unseen token and the accepted drafts
-                kept_rows.append(int(lengths_before[r]) + 1 + accepted)
+                kept_rows.append(int(lengths_before[u]) + 1 + accepted)
                 added.append(len(new))
                 accepted_total += accepted
                 drafter.record(len(d), accepted)
@@ -182,7 +209,7 @@ def run_smc_free(plan, prompt: list[int], generator: torch.Generator, on_cycle=N
                 sources = [row_of[a] for a, row in zip(ancestors, tokens) if eos not in row and len(row) < plan.max_tokens]
                 if sources:
                     target_rows.select(torch.tensor(sources))
-            cycles.append(CycleStats(ess, resampled, log_z, max(added), n, accepted=accepted_total, rows=len(running), proposed=sum(len(d) for d in drafted)))
+            cycles.append(CycleStats(ess, resampled, log_z, max(added), n, accepted=accepted_total, rows=len(distinct), proposed=sum(len(drafted[u]) for u in copy_of)))
             running = still
             if on_cycle is not None:
                 on_cycle(cycles[-1], [list(row) for row in tokens])
