@@ -375,3 +375,37 @@ def test_paged_hf_a_cancelled_request_returns_its_blocks(llamas):
     with pytest.raises(CancelledError):
         handles[1].result(0)
     assert handles[0].result(0).particles == kept.program.run(kept.prompt, kept.schedule, seed=1).particles
+
+
+def test_the_loop_thread_serves_requests_submitted_from_other_threads():
+    import threading
+
+    target, draft = target_and_draft(noise=1.0)
+    requests = mixed_requests(target, draft, 20)
+    engine = BatchEngine(target, draft, max_running=4)
+    stop = threading.Event()
+    loop = threading.Thread(target=engine.run_forever, args=(stop,))
+    loop.start()
+    try:
+        handles = [None] * len(requests)
+
+        def submit(i):
+            handles[i] = engine.submit(requests[i])
+
+        submitters = [threading.Thread(target=submit, args=(i,)) for i in range(len(requests))]
+        for t in submitters:
+            t.start()
+        for t in submitters:
+            t.join()
+        outcomes = []
+        for h in handles:
+            try:
+                outcomes.append(h.result(timeout=60))
+            except Exception as error:
+                outcomes.append(error)
+    finally:
+        stop.set()
+        loop.join(10)
+    assert not loop.is_alive() and engine.dead is None
+    for request, batched in zip(requests, outcomes):
+        assert_same_outcome(batched, alone(request))
