@@ -295,6 +295,36 @@ def assert_ragged_truncate_consistent(
             _assert_close(resumed[b, t], fresh_logits(lm, x[: n + t + 1]), atol, f"extend after truncate_rows, row {b} column {t}")
 
 
+def assert_join_many_consistent(
+    lm: LanguageModel, prompts: list[list[int]], counts: list[int], continuation_rows: torch.Tensor, atol: float
+) -> None:
+    """Law: join_many is joining the prompts one by one.
+
+    With rows = open(prompts[0], counts[0]) and join_many(prompts[1:], counts[1:]): each
+    returned logits row is a fresh open's after its prompt, the rows hold prompts[j] counts[j]
+    times in order, and extending every row by continuation_rows gives each row's own
+    factorisation (a fresh open over the row's prefix).
+
+    Args:
+        prompts: J >= 2 prompts; counts: J row counts.
+        continuation_rows: [sum(counts), T] int64.
+    """
+    continuation_rows = torch.as_tensor(continuation_rows, dtype=torch.long)
+    rows, _ = lm.open(prompts[0], counts[0])
+    joined = rows.join_many(prompts[1:], counts[1:])
+    for j, (prompt, logits) in enumerate(zip(prompts[1:], joined)):
+        _assert_close(logits, fresh_logits(lm, prompt), atol, f"join_many prompt {j + 1} vs a fresh open")
+    held = [p for p, c in zip(prompts, counts) for _ in range(c)]
+    if rows.lengths.tolist() != [len(p) for p in held]:
+        raise AssertionError(f"lengths are {rows.lengths.tolist()} after join_many, expected {[len(p) for p in held]}")
+    # [B, T, V]
+    extended = rows.extend(continuation_rows)
+    rows.close()
+    for b, prompt in enumerate(held):
+        for t in range(continuation_rows.shape[1]):
+            _assert_close(extended[b, t], fresh_logits(lm, prompt + continuation_rows[b, : t + 1].tolist()), atol, f"extend after join_many, row {b} column {t}")
+
+
 def fresh_logits(lm: LanguageModel, prefix: list[int]) -> torch.Tensor:
     """[V] next-token logits of a fresh open over `prefix`."""
     rows, logits = lm.open(prefix, 1)

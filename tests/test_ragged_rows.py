@@ -21,6 +21,7 @@ def test_toy_rows_keep_the_laws_when_their_lengths_differ():
     testing.assert_ragged_extend_matches_full_forward(lm, PROMPTS, c, atol=0.0)
     testing.assert_ragged_select_consistent(lm, PROMPTS, c, torch.tensor([2, 0, 2, 1]), atol=0.0)
     testing.assert_ragged_truncate_consistent(lm, PROMPTS, c, [0, 6, 3], atol=0.0)
+    testing.assert_join_many_consistent(lm, PROMPTS, [1, 2, 1], continuation(4, rows=4), atol=0.0)
 
 
 def test_toy_length_is_refused_once_rows_differ():
@@ -46,6 +47,9 @@ def test_paged_hf_rows_keep_the_laws_when_their_lengths_differ(paged_llama):
     testing.assert_ragged_extend_matches_full_forward(paged_llama, prompts, c, atol=2e-5)
     testing.assert_ragged_select_consistent(paged_llama, prompts, c, torch.tensor([2, 0, 2, 1]), atol=2e-5)
     testing.assert_ragged_truncate_consistent(paged_llama, prompts, c, [0, 11, 6], atol=2e-5)
+    # prompts sharing full blocks and not, of several lengths, one of them a single token
+    prompts += [[3, 1, 4, 1, 5, 9, 2, 6, 5, 3], [8, 8, 8]]
+    testing.assert_join_many_consistent(paged_llama, prompts, [2, 1, 3, 1, 2], continuation(64, rows=9), atol=2e-5)
     manager = paged_llama._paged.manager
     manager.check_invariants()
     assert manager.pool.live == 0 and len(manager.trie) == 0
@@ -56,16 +60,18 @@ def test_paged_hf_join_computes_only_the_prompt_past_its_shared_prefix(paged_lla
     rows, _ = paged_llama.open(system + [7], 2)
     live = paged_llama._paged.manager.pool.live
     calls = []
-    handle = paged_llama.model.register_forward_pre_hook(lambda module, args, kwargs: calls.append(kwargs["input_ids"].shape), with_kwargs=True)
+    handle = paged_llama.model.register_forward_pre_hook(lambda module, args, kwargs: calls.append(tuple(kwargs["input_ids"].shape)), with_kwargs=True)
     try:
         logits = rows.join(system + [8, 8], 3)
+        # the 4 full blocks of the system prompt are shared: one forward over the last 2 positions
+        assert calls == [(1, 2)] and paged_llama._paged.manager.pool.live == live + 1
+        # two prompts in one forward: 3 and 1 positions past the shared blocks, padded to 3
+        rows.join_many([system + [1, 2, 3], system + [4]], [1, 2])
+        assert calls == [(1, 2), (2, 3)]
     finally:
         handle.remove()
-    # the 4 full blocks of the system prompt are shared: one forward over the last 2 positions
-    assert calls == [(1, 2)]
-    assert paged_llama._paged.manager.pool.live == live + 1
     assert (logits - testing.fresh_logits(paged_llama, system + [8, 8])).abs().max() < 2e-5
-    assert rows.lengths.tolist() == [9, 9, 10, 10, 10]
+    assert rows.lengths.tolist() == [9, 9, 10, 10, 10, 11, 9, 9]
     rows.check_invariants()
     rows.close()
 

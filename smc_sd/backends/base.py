@@ -23,7 +23,7 @@ Invariants every implementation keeps (checked by `smc_sd.testing`):
 - select(a) then extend equals extending the rows a[i] of the old batch;
 - truncate(n) (or truncate_rows(n)) then extend equals never having appended past n;
 - join(prompt, c) returns the logits a fresh open(prompt, 1) returns and adds c rows that behave
-  as that open's rows.
+  as that open's rows; join_many(prompts, counts) is the same as joining them one by one.
 """
 
 from __future__ import annotations
@@ -104,6 +104,15 @@ class Sequences(abc.ABC):
             NotImplementedError: for a backend whose rows keep one length.
         """
         raise NotImplementedError(f"{type(self).__name__} keeps rows of one length only: it cannot join rows of another prompt")
+
+    def join_many(self, prompts: list[list[int]], counts: list[int]) -> list[torch.Tensor]:
+        """`join` every prompt in turn (prompts[j] gets counts[j] rows, in order); a backend
+        overrides it to run their forwards as one.
+
+        Returns:
+            [V] float32 next-token logits after each prompt.
+        """
+        return [self.join(prompt, count) for prompt, count in zip(prompts, counts)]
 
     def truncate_rows(self, lengths: torch.Tensor) -> None:
         """Roll row b back to its first lengths[b] tokens (0 <= lengths[b] <= self.lengths[b]).

@@ -196,6 +196,30 @@ class PagedHFSequences(Sequences):
         manager.join(self._table, table)
         return logits[0, -1]
 
+    def join_many(self, prompts: list[list[int]], counts: list[int]) -> list[torch.Tensor]:
+        """Join several prompts with ONE forward over their parts past the trie's shared
+        prefixes (`_prefill`). Returns the logits after each prompt, [V] float32 each."""
+        self._check_open()
+        for prompt, count in zip(prompts, counts):
+            check_join(prompt, count, self._lm.max_length)
+        self._refuse_features("join_many")
+        if not prompts:
+            return []
+        manager = self._kv.manager
+        opened = [manager.open_shared(prompt) for prompt in prompts]
+        table = opened[0][0]
+        for other, _ in opened[1:]:
+            manager.join(table, other)
+        rows = PagedHFSequences(self._lm, self._kv, table)
+        try:
+            logits = rows._prefill([prompt[len(prompt) - plan.slots.shape[1] :] for prompt, (_, plan) in zip(prompts, opened)], [plan for _, plan in opened])
+            manager.select(table, torch.repeat_interleave(torch.arange(len(prompts)), torch.tensor(counts)))
+        except BaseException:
+            rows.close()
+            raise
+        manager.join(self._table, table)
+        return list(logits)
+
     def truncate_rows(self, lengths: torch.Tensor) -> None:
         """Keep the first lengths[b] positions of row b."""
         self._check_open()
@@ -260,6 +284,47 @@ class PagedHFSequences(Sequences):
             self._features = captured[0] if self._features is None else torch.cat([self._features, captured[0]], 1)
         manager.commit(self._table, starts)
         return logits
+
+    def _prefill(self, new_tokens: list[list[int]], plans) -> torch.Tensor:
+        """One forward writing every row's last L_j prompt positions (`plans[j]`, as
+        `open_shared` made them), rows padded to L = max L_j.
+
+        Row j's padding columns sit at positions past its prompt: they read and write scratch
+        blocks taken for this forward only, and every real position's mask hides them, so the
+        real positions' KV and logits are those of the row alone.
+
+        Returns:
+            [J, V] float32 logits after each row's prompt.
+        """
+        manager, store, device = self._kv.manager, self._kv.store, self._lm.device
+        bs = manager.block_size
+        # [J]: positions each row computes, and where they start
+        new = torch.tensor([len(t) for t in new_tokens])
+        width = int(new.max())
+        starts = self._table.lengths - new
+        real = torch.arange(width)[None, :] < new[:, None]
+        padding = int((~real).sum())
+        scratch = manager.pool.allocate(-(-padding // bs))
+        # [J, L]: the rows' new slots, then scratch slots for their padding (row-major order)
+        write = torch.zeros(len(new_tokens), width, dtype=torch.int64)
+        write[real] = torch.cat([plan.slots[0] for plan in plans])
+        write[~real] = (scratch[:, None] * bs + torch.arange(bs)).reshape(-1)[:padding]
+        tokens = torch.zeros(len(new_tokens), width, dtype=torch.int64)
+        tokens[real] = torch.tensor([t for row in new_tokens for t in row], dtype=torch.int64)
+        # [J, T]: every row's own positions, then its padding's scratch slots
+        read = manager.slots(self._table, 0, int((starts + width).max()))
+        positions = torch.arange(read.shape[1])[None, :]
+        read[(positions >= self._table.lengths[:, None]) & (positions < (starts + width)[:, None])] = write[~real]
+        try:
+            store.ensure_capacity(manager.pool.capacity)
+            store.copy_blocks(torch.cat([plan.copies for plan in plans]))
+            cache = paged_cache(store, int(starts.max()), write.to(device), read.to(device))
+            # [J, L, V]
+            logits = self._lm._forward(tokens.to(device), starts, cache)
+        finally:
+            manager.pool.release(scratch)
+        manager.commit(self._table, starts)
+        return logits[torch.arange(len(new_tokens), device=logits.device), (new - 1).to(logits.device)]
 
     def _refuse_features(self, operation: str) -> None:
         if self._feature_layers:

@@ -225,15 +225,16 @@ class BatchEngine:
         return bool(dropped)
 
     def _admit(self) -> bool:
-        """Join waiting requests while there is room; True if any joined."""
-        joined = False
+        """Join waiting requests while there is room, their prompts in one forward per model;
+        True if any joined."""
+        entries: list[_Entry] = []
         while True:
             with self._lock:
-                if not self._waiting or len(self._running) >= self.max_running:
-                    return joined
+                if not self._waiting or len(self._running) + len(entries) >= self.max_running:
+                    break
                 entry = self._waiting[0]
-                if entry.plan.particles > self.table.free or (not self._ragged and self.target_rows.size):
-                    return joined
+                if entry.plan.particles > self.table.free or (not self._ragged and (self.target_rows.size or entries)):
+                    break
                 self._waiting.popleft()
             if entry.handle.cancelled:
                 self._leave(entry, None, CancelledError("the request was cancelled"))
@@ -244,41 +245,56 @@ class BatchEngine:
             except Exception as error:
                 self._leave(entry, None, error)
                 continue
+            entries.append(entry)
+        if not entries:
+            return False
+        with self._lock:
+            self._running.extend(entries)
+        try:
+            joined = self._join([e.group for e in entries])
+        except NotImplementedError:
+            # the backend keeps rows of one length: from now on one request runs at a time
+            self._ragged = False
             with self._lock:
-                self._running.append(entry)
-            try:
-                bases, logits = self._join(entry.group)
-            except NotImplementedError:
-                # the backend keeps rows of one length: this request waits for an empty batch
-                self.table.release(entry.group.slots)
-                entry.group = None
-                self._ragged = False
-                with self._lock:
+                for entry in reversed(entries):
                     self._running.remove(entry)
                     self._waiting.appendleft(entry)
-                return joined
-            joined = True
+            for entry in entries:
+                self.table.release(entry.group.slots)
+                entry.group = None
+            return False
+        for entry, (bases, logits) in zip(entries, joined):
             if self._attempt(entry, entry.group.begin, logits, *bases):
                 self._finish_or_report(entry)
+        return True
 
-    def _join(self, group: Group) -> tuple[tuple[int, int], torch.Tensor]:
-        """Add the group's N rows to the target's (and the draft's) rows.
+    def _join(self, groups: list[Group]) -> list[tuple[tuple[int, int], torch.Tensor]]:
+        """Add every group's N rows to the target's (and the draft's) rows.
 
         Returns:
-            ((first target row, first draft row), [V] target logits after the prompt).
+            per group ((its first target row, its first draft row), [V] target logits after its
+            prompt).
+
+        Raises:
+            NotImplementedError: when a backend keeps rows of one length (nothing changed then).
         """
-        n = group.plan.particles
+        counts = [g.plan.particles for g in groups]
         target_base = self.target_rows.size
-        logits = self.target_rows.join(group.prompt, n)
-        draft_base = 0
-        if group.has_draft:
+        logits = self.target_rows.join_many([g.prompt for g in groups], counts)
+        # [G]: each group's first row: the rows held, then the groups before it
+        target_bases = (target_base + torch.cumsum(torch.tensor([0] + counts[:-1]), 0)).tolist()
+        draft_bases = [0] * len(groups)
+        drafting = [i for i, g in enumerate(groups) if g.has_draft]
+        if drafting:
             draft_base = self.draft_rows.size
             try:
-                self.draft_rows.join(group.prompt, n)
+                self.draft_rows.join_many([groups[i].prompt for i in drafting], [counts[i] for i in drafting])
             except NotImplementedError:
                 self.target_rows.keep_first(target_base)
                 raise
-        return (target_base, draft_base), logits
+            for i, base in zip(drafting, torch.cumsum(torch.tensor([0] + [counts[i] for i in drafting][:-1]), 0).tolist()):
+                draft_bases[i] = draft_base + base
+        return [((t, d), l) for t, d, l in zip(target_bases, draft_bases, logits)]
 
     def _cycle(self) -> None:
         """Draft passes, one target pass, and every request's verification."""

@@ -3,8 +3,8 @@
 A `RowSet` holds a backend's `Sequences` while any row is held and none otherwise: the first
 request to join opens them (`LanguageModel.open`), later ones `join`, and the rows close when a
 reseat leaves none. The engine numbers rows itself (`SlotTable.target_row`, `draft_row`), so
-the only operations are: join at the end, extend every row, and `reseat`, which makes the rows a
-chosen list of old rows at chosen lengths.
+the only operations are: join rows at the end, extend every row, and `reseat`, which makes the
+rows a chosen list of old rows at chosen lengths.
 """
 
 from __future__ import annotations
@@ -30,20 +30,26 @@ class RowSet:
         """B, the rows held."""
         return 0 if self.rows is None else self.rows.batch_size
 
-    def join(self, prompt: list[int], count: int) -> torch.Tensor:
-        """Add `count` rows holding `prompt` as rows size .. size + count - 1.
+    def join_many(self, prompts: list[list[int]], counts: list[int]) -> list[torch.Tensor]:
+        """Add counts[j] rows holding prompts[j], in order, after the rows held.
 
         Returns:
-            [V] float32 next-token logits after the prompt.
+            [V] float32 next-token logits after each prompt.
 
         Raises:
-            NotImplementedError: when rows are held and the backend cannot join rows of another
-                prompt (its rows keep one length); nothing changed then.
+            NotImplementedError: when the backend cannot hold rows of several prompts (its rows
+                keep one length); the rows held are then as before.
         """
-        if self.rows is None:
-            self.rows, logits = self.lm.open(prompt, count)
-            return logits
-        return self.rows.join(prompt, count)
+        if not prompts:
+            return []
+        if self.rows is not None:
+            return self.rows.join_many(prompts, counts)
+        self.rows, first = self.lm.open(prompts[0], counts[0])
+        try:
+            return [first] + self.rows.join_many(prompts[1:], counts[1:])
+        except NotImplementedError:
+            self.close()
+            raise
 
     def extend(self, tokens: torch.Tensor) -> torch.Tensor:
         """`Sequences.extend` over every row: tokens [B, L] -> logits [B, L, V] float32."""
