@@ -5,11 +5,12 @@ only its byte-level CFG, and `JsonSchema(schema)` is a product whose validator f
 schema. Each is rewritten exactly:
 - a `BoolFSA` as a right-linear Lark grammar, one rule per automaton state:
       s_i : /[bytes to s_j]/ s_j | ... | ""        ("" iff s_i is final);
-- a `BoolCFG` rule by rule, each terminal byte b as the regex /\\xb/;
+- a `BoolCFG` rule by rule, each terminal byte b as the regex /[\\xb]/;
 - genlm-control's `JsonSchema` as `smc_sd.program.grammars.JsonSchema` of the same schema.
 A product `p1 * p2` of byte potentials is split into its factors (`factors`), each lowered on
-its own. Lark terminals are UTF-8 text, so an automaton or grammar with a byte >= 128 on its own (a
-multi-byte character split into bytes) cannot be written this way: it keeps the generic path.
+its own. Both grammars are over bytes: a multi-byte character is split into its UTF-8 bytes
+(genlm-control's automaton for "é+" reads 0xC3 then 0xA9), so they carry llguidance's
+`allow_invalid_utf8` option, under which /[\\xNN]/ is the byte NN rather than the character U+00NN.
 """
 
 from __future__ import annotations
@@ -41,37 +42,44 @@ def lower(potential) -> GrammarPotential | None:
     return GrammarPotential(llguidance.LLMatcher.grammar_from_lark(lark), type(potential).__name__)
 
 
+#: the grammar option under which a regex's \xNN is one byte, so byte automata can be written
+BYTES = '%llguidance {"allow_invalid_utf8": true}'
+
+
 def byte_class(labels) -> str | None:
-    """/[\\xNN...]/ for ASCII bytes; None if any byte is 128 or more."""
-    if any(not isinstance(b, int) or b >= 128 for b in labels):
+    """/[\\xNN...]/ for a set of bytes; None if a label is not a byte."""
+    if any(not isinstance(b, int) or not 0 <= b < 256 for b in labels):
         return None
     return "/[" + "".join(f"\\x{b:02x}" for b in sorted(labels)) + "]/"
 
 
 def fsa_lark(fsa) -> str | None:
-    """A right-linear Lark grammar of a boolean byte automaton (module docstring), or None."""
+    """A right-linear Lark grammar of a boolean byte automaton (module docstring), or None.
+
+    States are renamed s0, s1, ... in the automaton's order (its own names mix ints and strings)."""
     automaton = fsa.wfsa.epsremove
+    names = {state: f"s{k}" for k, state in enumerate(automaton.states)}
     live = {i for i in automaton.states if automaton.backward[i].score}
     finals = {i for i, w in automaton.F if w.score}
     rules = []
-    for i in sorted(live):
+    for i in (i for i in automaton.states if i in live):
         targets = defaultdict(set)
         for label, j, w in automaton.arcs(i):
             if w.score and j in live:
                 targets[j].add(label)
         alternatives = []
-        for j, labels in sorted(targets.items()):
+        for j, labels in targets.items():
             terminal = byte_class(labels)
             if terminal is None:
                 return None
-            alternatives.append(f"{terminal} s{j}")
+            alternatives.append(f"{terminal} {names[j]}")
         if i in finals:
             alternatives.append('""')
-        rules.append(f"s{i}: " + " | ".join(alternatives))
-    starts = [f"s{i}" for i in fsa._start_chart if i in live]
+        rules.append(f"{names[i]}: " + " | ".join(alternatives))
+    starts = [names[i] for i in fsa._start_chart if i in live]
     if not starts:
         return None
-    return "\n".join([f"start: {' | '.join(starts)}"] + rules)
+    return "\n".join([BYTES, f"start: {' | '.join(starts)}"] + rules)
 
 
 def cfg_lark(cfg) -> str | None:
@@ -93,7 +101,7 @@ def cfg_lark(cfg) -> str | None:
         alternatives[names[rule.head]].append(" ".join(parts) or '""')
     if names[cfg.S] not in alternatives:
         return None
-    lines = [f"start: {names[cfg.S]}"] + [f"{head}: " + " | ".join(alts) for head, alts in alternatives.items()]
+    lines = [BYTES, f"start: {names[cfg.S]}"] + [f"{head}: " + " | ".join(alts) for head, alts in alternatives.items()]
     return "\n".join(lines)
 
 

@@ -8,6 +8,14 @@ For a generated prefix x (token ids, EOS excluded) the mask is the `TokenConstra
 computed by llguidance from its parser state after x. Special tokens other than EOS, and logit
 rows past the tokenizer's length, are never allowed.
 
+Every grammar is compiled with llguidance's `no_forcing` option (`without_forcing`). By default,
+where the grammar forces the next bytes, llguidance tokenizes them canonically and masks to the
+first of those tokens alone: after `{"` under a schema whose only key is `name_of_the_person`,
+SmolLM2's mask holds `name` but not `n`, `na` or `nam`, which spell the same bytes in more tokens.
+Such a mask cuts token sequences the target gives mass to. Without forcing, llguidance walks the
+token trie from the parser state (forced bytes included), so the mask is the set above: every
+token whose bytes keep the string completable, whatever tokenization it starts.
+
 Matcher states live in a pool keyed by prefix tuple and shared by genealogy: the state of a new
 prefix is a `deep_copy` of the state of its longest pooled prefix, advanced by `consume_tokens`
 over the tokens in between (usually one). Resampling and forking therefore need nothing from the
@@ -26,6 +34,7 @@ tokens.
 
 from __future__ import annotations
 
+import json
 import os
 import weakref
 
@@ -91,8 +100,8 @@ class _ToyVocabulary:
         self._longest = max(len(data) for data in self._ids)
 
     def __call__(self, text: bytes | str) -> list[int]:
-        """Greedy longest-match tokenization (llguidance asks for it to tokenize forced bytes);
-        a byte no token starts with is skipped, as no generated string can hold it there."""
+        """Greedy longest-match tokenization (llguidance's `compute_ff_tokens` and
+        `tokenize_bytes` ask for it; masks do not); a byte no token starts with is skipped."""
         text = text.encode() if isinstance(text, str) else text
         out, i = [], 0
         while i < len(text):
@@ -101,6 +110,37 @@ class _ToyVocabulary:
                 out.append(self._ids[text[i : i + n]])
             i += max(n, 1)
         return out
+
+
+#: the grammar option that keeps llguidance from masking forced bytes to one tokenization
+NO_FORCING = '%llguidance {"no_forcing": true}\n'
+
+
+def without_forcing(grammar: str) -> str:
+    """An llguidance grammar with the `no_forcing` option set (module docstring).
+
+    The option is one for the whole grammar (llguidance's lexer takes it from any of a grammar's
+    parts), so it is set on the first part: Lark text gets the `%llguidance` line; a JSON
+    schema becomes the Lark rule `start: %json <schema>`, the same JSON grammar (its compile
+    options travel in the schema's "x-guidance").
+
+    Args:
+        grammar: Lark text, or llguidance's JSON form {"grammars": [{"lark_grammar" | "json_schema": ...}, ...]}.
+
+    Raises:
+        ValueError: for a JSON form whose first part is neither.
+    """
+    if not grammar.lstrip().startswith("{"):
+        return NO_FORCING + grammar
+    top = json.loads(grammar)
+    first = top["grammars"][0]
+    if first.get("lark_grammar") is not None:
+        first["lark_grammar"] = NO_FORCING + first["lark_grammar"]
+    elif first.get("json_schema") is not None:
+        first["lark_grammar"] = NO_FORCING + "start: %json " + json.dumps(first.pop("json_schema"))
+    else:
+        raise ValueError(f"an llguidance grammar's first part must be Lark or a JSON schema, got keys {sorted(first)}")
+    return json.dumps(top)
 
 
 def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
@@ -146,7 +186,7 @@ class GrammarConstraint(TokenConstraint):
         bits = np.zeros(32 * width, dtype=bool)
         bits[: min(self.vocab_size, 32 * width)] = allowed.numpy()[: 32 * width]
         self._allowed_words = torch.from_numpy(np.packbits(bits, bitorder="little").view("<i4").astype(np.int32))
-        root = llguidance.LLMatcher(self._tokenizer, grammar, log_level=0)
+        root = llguidance.LLMatcher(self._tokenizer, without_forcing(grammar), log_level=0)
         if root.is_error():
             raise ValueError(f"invalid {description}: {root.get_error().splitlines()[0]}")
         # prefix -> [matcher state after it, the call that last asked for it]
