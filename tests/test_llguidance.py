@@ -118,13 +118,36 @@ def test_bitmask_unpacking_matches_bit_arithmetic():
         (lambda: JsonSchema("{not json"), "not valid JSON"),
         (lambda: JsonSchema({"type": "strin"}), "invalid JSON schema: 'strin' is not valid"),
         (lambda: JsonSchema({"type": "string", "format": "url"}), "format 'url' can be enforced neither"),
-        (lambda: JsonSchema({"type": "string", "pattern": "(a"}), "invalid JSON schema"),
+        (lambda: JsonSchema({"type": "string", "pattern": "(a"}), r"invalid JSON schema: '\(a' is not a 'regex'"),
+        # valid schemas (they pass the metaschema) that llguidance cannot compile
+        (lambda: JsonSchema(TREE_WITH_SIBLING_KEYS), "^unsupported JSON schema feature: circular references with sibling keys"),
+        (lambda: JsonSchema({"type": "string", "pattern": "(?=a)b"}), "^unsupported JSON schema feature: regex parse error: look-around"),
+        (lambda: JsonSchema({"type": "integer", "minimum": 5, "maximum": 2}), r"^the JSON schema admits no value: minimum \(5\) is greater"),
     ],
 )
 def test_bad_constraints_raise_one_line_errors(make, message):
     with pytest.raises(ValueError, match=message) as error:
         make()
     assert "\n" not in str(error.value)
+
+
+# a tree whose child reference carries a sibling keyword
+TREE_WITH_SIBLING_KEYS = {
+    "$defs": {"node": {"type": "object", "properties": {"next": {"$ref": "#/$defs/node", "minProperties": 1}}}},
+    "$ref": "#/$defs/node",
+}
+
+
+def test_json_has_no_whitespace_before_or_after_the_value():
+    lm = WordLM(["[", "1", "]", "\n", " "])
+    potential = JsonSchema({"type": "array", "items": {"type": "integer"}})
+    start, closed = as_token_constraint(potential, lm).mask([[], [0, 1, 2]])
+    # no whitespace before "[" or after "]": EOS right after "]", nothing else
+    assert start.tolist() == [True, False, False, False, False, False]
+    assert closed.tolist() == [False, False, False, False, False, True]
+    assert asyncio.run(potential.complete(b"[1]")) == 0.0
+    for text in (b"[1]\n", b"[1] ", b" [1]"):
+        assert asyncio.run(potential.prefix(text)) == float("-inf")
 
 
 def test_json_schema_from_text_and_file(tmp_path):

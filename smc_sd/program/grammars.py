@@ -29,8 +29,12 @@ import numpy as np
 
 from genlm.control.potential import Potential
 
+from smc_sd.program.constraints import UnsatisfiableConstraintError
+
 #: the compile options that let llguidance over-approximate what it cannot enforce exactly
 LENIENT = {"lenient": True, "coerce_one_of": True}
+#: how llguidance's error for a schema no value satisfies begins
+UNSATISFIABLE = "Unsatisfiable schema: "
 
 
 class _ByteVocabulary:
@@ -153,12 +157,16 @@ def JsonSchema(schema) -> GrammarPotential:
         schema: a dict, its JSON text, or the path of a file holding it.
 
     The language is llguidance's JSON for the schema: properties in the schema's order, no
-    whitespace before the value. Features llguidance does not enforce exactly make it
-    over-approximate; the complete string is then validated by jsonschema (module docstring).
+    whitespace before or after the value (b"[1]\\n" is refused), any amount between tokens.
+    Features llguidance does not enforce exactly make it over-approximate; the complete string
+    is then validated by jsonschema (module docstring).
 
     Raises:
-        ValueError: the schema is not JSON, not a valid schema, or uses a feature neither
-            llguidance nor jsonschema can enforce (naming it).
+        ValueError: "the JSON schema is not valid JSON: ...", "invalid JSON schema: ..." (it
+            breaks its metaschema), "unsupported JSON schema feature: ..." (a valid schema
+            llguidance cannot compile, such as circular references with sibling keys), or a
+            format neither llguidance nor jsonschema can enforce (naming it).
+        UnsatisfiableConstraintError: "the JSON schema admits no value: ...".
     """
     schema = load_schema(schema)
     validator = schema_validator(schema)
@@ -168,7 +176,13 @@ def JsonSchema(schema) -> GrammarPotential:
         return GrammarPotential(grammar, "JSON schema")
     strict_error = one_line(messages[0])
     grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, overrides=LENIENT)
-    approximations = check_grammar(grammar, f"JSON schema ({strict_error})")
+    failed, approximations = llguidance.LLMatcher.validate_grammar_with_warnings(grammar)
+    if failed:
+        # the schema passed its metaschema: what llguidance refuses now is beyond it, or empty
+        error = one_line(approximations[0])
+        if error.startswith(UNSATISFIABLE):
+            raise UnsatisfiableConstraintError(f"the JSON schema admits no value: {error[len(UNSATISFIABLE):]}")
+        raise ValueError(f"unsupported JSON schema feature: {error}")
     # formats llguidance does not know are left to jsonschema, which must know them
     unknown = [f for m in messages + approximations for f in re.findall(r"Unknown format: (\S+)", m)]
     unknown = [f for f in unknown if f not in validator.format_checker.checkers]
