@@ -81,10 +81,20 @@ def run_item(program, prompt: list[int], particles: int, max_tokens: int, seed: 
         "tokens_per_verify_pass": (tokens - 1) / max(result.target_passes, 1),
         "acceptance": result.acceptance,
         "mask_seconds": result.mask_seconds,
+        "mask_row_seconds": list(result.mask_row_seconds),
         "complete": result.complete,
         "valid": valid,
         "text": result.text,
     }
+
+
+def mask_latency(row_seconds: list[float]) -> dict:
+    """p50 and p99 of the mask time per particle-position (one value per mask call), in µs."""
+    if not row_seconds:
+        return {}
+    ordered = sorted(row_seconds)
+    pick = lambda q: 1e6 * ordered[min(len(ordered) - 1, int(q * len(ordered)))]  # noqa: E731
+    return {"mask_us_p50": pick(0.5), "mask_us_p99": pick(0.99), "mask_calls": len(ordered)}
 
 
 def geometric_mean(values: list[float]) -> float:
@@ -151,6 +161,8 @@ def main(argv=None) -> dict:
             "valid_of_complete": sum(r["valid"] for r in done) / max(1, sum(r["complete"] for r in done)),
             "geomean_ratio": geometric_mean([r["ratio"] for r in done]) if all("ratio" in r for r in done) else None,
             "min_ratio": min(r["ratio"] for r in done) if all("ratio" in r for r in done) else None,
+            "mask_share": sum(r["mask_seconds"] for r in done) / seconds,
+            **mask_latency([s for r in done for s in r.pop("mask_row_seconds")]),
         }
     ratios = {label: summary[label].get("geomean_ratio") for label in labels[1:]}
     data = {

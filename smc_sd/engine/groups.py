@@ -29,7 +29,7 @@ import torch
 
 from smc_sd.engine.drafting import BlockDrafter, block_masks, first_token_mask, trim_at_eos
 from smc_sd.engine.resampling import effective_sample_size, log_mean_weight, resample
-from smc_sd.engine.result import AllParticlesDiedError, CycleStats, Result
+from smc_sd.engine.result import AllParticlesDiedError, CycleStats, Result, mask_stats
 from smc_sd.engine.slots import SlotTable
 from smc_sd.engine.smc import advance, conclude, cycle_masks, first_particles, rescore_block_end, verify_block
 from smc_sd.engine.speculative import first_token, verify_drafts
@@ -151,7 +151,7 @@ class Group:
             seconds=time.perf_counter() - self.started,
             decode=plan.target.decode,
             kv=kv,
-            mask_seconds=plan.masker.seconds if plan.masker is not None else 0.0,
+            **mask_stats(plan.masker),
             complete=complete,
         )
 

@@ -72,6 +72,8 @@ class Result:
         decode: token ids to text.
         kv: KV-cache bytes of target and draft together (`kv_memory`), or None without a KV cache.
         mask_seconds: wall time spent computing constraint masks (0 when unconstrained).
+        mask_row_seconds: per mask call, its wall time over its live rows: seconds per
+            particle-position, drafted positions included (empty when unconstrained).
         complete: whether the returned particle's string satisfies the constraints (it ended
             with EOS or its string is complete); False only when no particle was complete at
             the token budget. Always True without constraints.
@@ -91,6 +93,7 @@ class Result:
     decode: Callable[[list[int]], str] = field(repr=False, default=str)
     kv: dict | None = None
     mask_seconds: float = 0.0
+    mask_row_seconds: tuple[float, ...] = ()
     complete: bool = True
 
     @property
@@ -210,6 +213,13 @@ class Result:
             "collapsed_fraction": self.collapsed_fraction,
             "acceptance": self.acceptance,
         }
+
+
+def mask_stats(masker) -> dict:
+    """The `mask_seconds` and `mask_row_seconds` of a run whose masks came from `masker` (or None)."""
+    if masker is None:
+        return {"mask_seconds": 0.0, "mask_row_seconds": ()}
+    return {"mask_seconds": masker.seconds, "mask_row_seconds": tuple(masker.row_seconds)}
 
 
 def kv_memory(*rows) -> dict | None:

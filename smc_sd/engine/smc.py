@@ -35,7 +35,7 @@ from smc_sd.backends.base import Sequences
 from smc_sd.engine.drafting import DraftBlock, block_masks, draft_block, first_token_mask, trim_at_eos
 from smc_sd.engine.resampling import effective_sample_size, log_mean_weight, normalised_weights, resample
 from smc_sd.engine.rescoring import rescore, retwist
-from smc_sd.engine.result import AllParticlesDiedError, CycleStats, Result, kv_memory
+from smc_sd.engine.result import AllParticlesDiedError, CycleStats, Result, kv_memory, mask_stats
 from smc_sd.engine.sampling import gather_last, sample_tokens, tempered_logprobs
 
 
@@ -356,7 +356,7 @@ def run_smc(plan, prompt: list[int], generator: torch.Generator, on_cycle=None) 
                 seconds=time.perf_counter() - start,
                 decode=plan.target.decode,
                 kv=kv_memory(target_rows, draft_rows),
-                mask_seconds=plan.masker.seconds if plan.masker is not None else 0.0,
+                **mask_stats(plan.masker),
                 complete=complete,
             )
 

@@ -35,7 +35,7 @@ import torch
 from smc_sd.engine.drafting import first_token_mask, trim_at_eos
 from smc_sd.engine.free_drafts import FreeDrafter, allowed_prefix, point_mass_rows
 from smc_sd.engine.resampling import effective_sample_size, log_mean_weight, normalised_weights, resample
-from smc_sd.engine.result import AllParticlesDiedError, CycleStats, Result, kv_memory
+from smc_sd.engine.result import AllParticlesDiedError, CycleStats, Result, kv_memory, mask_stats
 from smc_sd.engine.sampling import sample_tokens, tempered_logprobs
 from smc_sd.engine.speculative import accept_or_resample
 
@@ -153,7 +153,7 @@ def run_smc_free(plan, prompt: list[int], generator: torch.Generator, on_cycle=N
                 finished=finished(), log_weights=final_logw, log_ml=final_log_z, chosen=chosen, cycles=cycles,
                 target_passes=len(cycles), draft_passes=0, seconds=time.perf_counter() - start,
                 decode=plan.target.decode, kv=kv_memory(target_rows),
-                mask_seconds=plan.masker.seconds if plan.masker is not None else 0.0, complete=complete,
+                **mask_stats(plan.masker), complete=complete,
             )
 
         if not torch.isfinite(logw).any():

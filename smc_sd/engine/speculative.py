@@ -19,7 +19,7 @@ import time
 import torch
 
 from smc_sd.engine.masking import masked_logprobs
-from smc_sd.engine.result import AllParticlesDiedError, CycleStats, Result, kv_memory
+from smc_sd.engine.result import AllParticlesDiedError, CycleStats, Result, kv_memory, mask_stats
 from smc_sd.engine.sampling import gather_last, sample_tokens, tempered_logprobs
 from smc_sd.engine.drafting import DraftBlock, block_masks, draft_block, first_token_mask, trim_at_eos
 from smc_sd.engine.free_drafts import FreeDrafter, allowed_prefix, point_mass_rows
@@ -191,7 +191,7 @@ def run_speculative(plan, prompt: list[int], generator: torch.Generator, on_cycl
                 seconds=time.perf_counter() - start,
                 decode=plan.target.decode,
                 kv=kv_memory(target_rows, draft_rows),
-                mask_seconds=plan.masker.seconds if plan.masker is not None else 0.0,
+                **mask_stats(plan.masker),
                 # under constraints a string cut by the budget may be incomplete
                 complete=plan.masker is None or eos in tokens or bool(plan.masker.complete([tokens])[0]),
             )
