@@ -12,10 +12,12 @@ method:
   equal; float round-off between batch shapes can flip a rare draw).
 
 And the KV cache of the prompts: SmolLM2's chat template puts one system prompt before every
-question, so all prompts share a prefix. Right after every request has joined (before any
-decoding) the target's pool holds `kv_blocks_joined` blocks; `kv_blocks_unshared` is what the
-same prompts hold with no sharing across requests (each request's prompt blocks, counted
-alone); `system_prompt_blocks` full blocks of the common prefix are stored once.
+question, so all prompts share a prefix (`kv`), and a second set puts a longer system message
+(LONG_SYSTEM, about 150 tokens) before the same questions (`kv_long_system`). Right after every
+request has joined (before any decoding) the target's pool holds `kv_blocks_joined` blocks;
+`kv_blocks_unshared` is what the same prompts hold with no sharing across requests (each
+request's prompt blocks, counted alone); the common prefix's `system_prompt_blocks` full blocks
+are stored once (its tail shares a block with each request's own tokens, so it is not shared).
 
 The torch thread count is 1 (the machine is shared); check `uptime` first and run only when it
 is quiet. Model load is excluded from every timing.
@@ -47,13 +49,32 @@ QUESTIONS = [
     "What is the largest ocean?", "How does the heart pump blood?",
 ]
 
+LONG_SYSTEM = (
+    "You are a careful assistant for a science museum. Answer visitors' questions in plain words, "
+    "in at most three sentences, without jargon. When a question is about a living thing, say where "
+    "it lives; when it is about a machine, say what it is used for; when it is about the sky or "
+    "space, give one number that shows how large or far the thing is. If you do not know an answer, "
+    "say so and suggest which hall of the museum might help. Never invent exhibits, opening hours or "
+    "prices, and never ask the visitor for personal details. Keep a friendly tone, and end every "
+    "answer with a short question that invites the visitor to look closer at something nearby."
+)
+
 METHODS = {"ar": dict(particles=1), "smc-sd": dict(particles=4, draft_len=4)}
 
 
-def chat_prompts(tokenizer, count: int) -> list[list[int]]:
-    from smc_sd.backends.hf import chat_prompt
+def chat_prompts(tokenizer, count: int, system: str | None = None) -> list[list[int]]:
+    """Token ids of the first `count` questions in the chat template (with `system` as the system
+    message, or the template's default one)."""
+    from collections.abc import Mapping
 
-    return [chat_prompt(tokenizer, QUESTIONS[i % len(QUESTIONS)]) for i in range(count)]
+    prompts = []
+    for i in range(count):
+        messages = [{"role": "user", "content": QUESTIONS[i % len(QUESTIONS)]}]
+        if system is not None:
+            messages.insert(0, {"role": "system", "content": system})
+        encoded = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        prompts.append([int(t) for t in (encoded["input_ids"] if isinstance(encoded, Mapping) else encoded)])
+    return prompts
 
 
 def common_prefix(prompts: list[list[int]]) -> int:
@@ -90,7 +111,7 @@ def kv_of_joined_prompts(program, schedule, prompts, block_size: int) -> dict:
     }
 
 
-def measure(method: str, target, draft, prompts, max_tokens: int, max_running: int) -> dict:
+def measure(method: str, target, draft, prompts, long_prompts, max_tokens: int, max_running: int) -> dict:
     settings = METHODS[method]
     program = build_program(method, target, draft, **{k: v for k, v in settings.items() if k != "particles"})
     from smc_sd.program import Schedule
@@ -116,6 +137,7 @@ def measure(method: str, target, draft, prompts, max_tokens: int, max_running: i
         "speedup": (tokens_batched / batched_seconds) / (tokens_alone / sequential_seconds),
         "same_tokens": sum(a.tokens == b.tokens for a, b in zip(alone, batched)),
         "kv": kv_of_joined_prompts(program, schedule, prompts, target.block_size),
+        "kv_long_system": kv_of_joined_prompts(program, schedule, long_prompts, target.block_size),
     }
 
 
@@ -134,7 +156,8 @@ def main() -> None:
     torch.set_num_threads(1)
     target, draft = load_default_models()
     prompts = chat_prompts(target.tokenizer, args.prompts)
-    rows = [measure(m, target, draft, prompts, args.max_tokens, args.max_running) for m in methods]
+    long_prompts = chat_prompts(target.tokenizer, args.prompts, LONG_SYSTEM)
+    rows = [measure(m, target, draft, prompts, long_prompts, args.max_tokens, args.max_running) for m in methods]
     emit(
         "run_many",
         {
