@@ -55,6 +55,9 @@ SLOTS_PER_REQUEST = 16
 
 @dataclass
 class _Entry:
+    """A request in the engine: what was submitted, its compiled plan, its listener and, while it
+    runs, its group; `agreed` counts the tokens its last "tokens" event reported."""
+
     request: Request
     plan: object
     handle: Handle
