@@ -187,10 +187,17 @@ def test_json_schema_potential_accepts_only_valid_documents(schema, good, bad):
 
     from smc_sd.program.grammars import JsonSchema
 
-    potential = JsonSchema(schema)
     jsonschema.validate(json.loads(good), schema)
-    assert asyncio.run(potential.complete(good.encode())) == 0.0
+    compact = json.dumps(json.loads(good), separators=(",", ":"))
+    flexible = JsonSchema(schema, layout="flexible")
+    assert asyncio.run(flexible.complete(good.encode())) == 0.0
+    assert asyncio.run(flexible.complete(bad.encode())) == float("-inf")
+    # the default compact layout takes the same document without whitespace, and only so
+    potential = JsonSchema(schema)
+    assert asyncio.run(potential.complete(compact.encode())) == 0.0
     assert asyncio.run(potential.complete(bad.encode())) == float("-inf")
+    if compact != good:
+        assert asyncio.run(potential.complete(good.encode())) == float("-inf")
 
 
 def test_potential_twist_scores_decoded_prefixes():

@@ -156,8 +156,13 @@ def test_json_schema_from_text_and_file(tmp_path):
     path.write_text(json.dumps(schema))
     for given in (schema, json.dumps(schema), str(path), path):
         potential = JsonSchema(given)
-        assert asyncio.run(potential.complete(b'{"n": 3}')) == 0.0
-        assert asyncio.run(potential.complete(b'{"n": "3"}')) == float("-inf")
+        assert asyncio.run(potential.complete(b'{"n":3}')) == 0.0
+        assert asyncio.run(potential.complete(b'{"n":"3"}')) == float("-inf")
+
+
+def test_an_unknown_json_layout_is_refused():
+    with pytest.raises(ValueError, match="unknown JSON layout 'pretty'"):
+        JsonSchema({"type": "integer"}, layout="pretty")
 
 
 def test_one_of_is_over_approximated_and_checked_exactly():

@@ -33,6 +33,13 @@ from smc_sd.program.constraints import UnsatisfiableConstraintError
 
 #: the compile options that let llguidance over-approximate what it cannot enforce exactly
 LENIENT = {"lenient": True, "coerce_one_of": True}
+#: JSON layouts: "compact" fixes the whitespace (none) and the separators, so the grammar forces
+#: keys and punctuation (what a free draft proposes); "flexible" is llguidance's default, any
+#: whitespace between tokens
+JSON_LAYOUTS = {
+    "compact": {"whitespace_flexible": False, "item_separator": ",", "key_separator": ":"},
+    "flexible": {},
+}
 #: how llguidance's error for a schema no value satisfies begins
 UNSATISFIABLE = "Unsatisfiable schema: "
 
@@ -150,14 +157,18 @@ def Grammar(lark: str) -> GrammarPotential:
     return GrammarPotential(grammar, "Lark grammar")
 
 
-def JsonSchema(schema) -> GrammarPotential:
-    """The JSON texts valid under a JSON schema.
+def JsonSchema(schema, layout: str = "compact") -> GrammarPotential:
+    """The JSON texts valid under a JSON schema, in a layout.
 
     Args:
         schema: a dict, its JSON text, or the path of a file holding it.
+        layout: "compact" (the default): no whitespace anywhere, separators "," and ":"
+            (`{"a":1,"b":[2,3]}`), so that keys and punctuation are forced; "flexible": any
+            whitespace between tokens, as llguidance's default JSON grammar allows.
 
     The language is llguidance's JSON for the schema: properties in the schema's order, no
-    whitespace before or after the value (b"[1]\\n" is refused), any amount between tokens.
+    whitespace before or after the value (b"[1]\\n" is refused), and between tokens what the
+    layout allows.
     Features llguidance does not enforce exactly make it over-approximate; the complete string
     is then validated by jsonschema (module docstring).
 
@@ -168,14 +179,16 @@ def JsonSchema(schema) -> GrammarPotential:
             format neither llguidance nor jsonschema can enforce (naming it).
         UnsatisfiableConstraintError: "the JSON schema admits no value: ...".
     """
+    if layout not in JSON_LAYOUTS:
+        raise ValueError(f"unknown JSON layout {layout!r}; choose one of {sorted(JSON_LAYOUTS)}")
     schema = load_schema(schema)
     validator = schema_validator(schema)
-    grammar = llguidance.LLMatcher.grammar_from_json_schema(schema)
+    grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_LAYOUTS[layout])
     failed, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar)
     if not failed:
         return GrammarPotential(grammar, "JSON schema")
     strict_error = one_line(messages[0])
-    grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, overrides=LENIENT)
+    grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_LAYOUTS[layout], overrides=LENIENT)
     failed, approximations = llguidance.LLMatcher.validate_grammar_with_warnings(grammar)
     if failed:
         # the schema passed its metaschema: what llguidance refuses now is beyond it, or empty

@@ -233,3 +233,14 @@ class GrammarConstraint(TokenConstraint):
         # [U, V] bool, then [B, V] bool in the order asked
         masks = unpack_bitmask(bitmask, self.vocab_size)
         return masks if len(rows) == len(keys) else masks[[rows[key] for key in keys]]
+
+    def forced_tokens(self, prefix: list[int]) -> list[int]:
+        """The tokenizer's tokenization of the bytes every completion of the prefix starts with
+        (llguidance's forced bytes; [] for a dead prefix). Its last token may merge with later
+        text in the canonical tokenization; as a draft that costs a rejection at most. Other
+        tokenizations of those bytes stay allowed by `mask`."""
+        state = self._state(tuple(prefix))
+        if state.is_error():
+            return []
+        forced = state.compute_ff_bytes()
+        return list(self._tokenizer.tokenize_bytes(forced)) if forced else []
