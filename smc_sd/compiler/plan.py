@@ -12,16 +12,20 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
 from smc_sd.backends.base import ContextOverflowError, LanguageModel, check_same_vocabulary
 from smc_sd.compiler.masks import Masker
-from smc_sd.program.spec import FreeDraft
 from smc_sd.program.scores import BlockPotential, ProductPotential, as_block_potential
 from smc_sd.engine.resampling import check_resampler
 from smc_sd.engine.result import CycleStats, Result
+
+
+if TYPE_CHECKING:
+    # the program layer imports the compiler when it runs: only the annotation points back
+    from smc_sd.program.spec import FreeDraft
 
 
 @dataclass(frozen=True)
