@@ -90,7 +90,8 @@ BEFORE_LOADING = [
     (["--json-schema", "{missing}"], "--json-schema {missing}: cannot read it"),
     (["--json-schema", "{empty}"], "--json-schema {empty}: cannot read it"),
     (["--json-schema", "{not_json}"], "not valid JSON"),
-    (["--json-schema", '{"type": '], "not valid JSON"),
+    # the schema itself (braces doubled for str.format)
+    (["--json-schema", '{{"type": '], "not valid JSON"),
     (["--json-schema", "{bad_schema}"], "--json-schema {bad_schema}:"),
     (["--grammar", "{missing}"], "--grammar {missing}: cannot read it"),
     (["--grammar", "{binary}"], "--grammar {binary}: 'utf-8' codec"),
