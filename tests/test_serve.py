@@ -151,15 +151,17 @@ def test_response_format_json_schema_output_validates(client):
 
 
 @model
-@pytest.mark.parametrize("structured, valid", [
-    ({"regex": "(Yes|No)[.!]"}, lambda text: re.fullmatch(r"(Yes|No)[.!]", text)),
-    ({"grammar": 'start: NUMBER " + " NUMBER\nNUMBER: /[1-9][0-9]?/'}, lambda text: re.fullmatch(r"[1-9][0-9]? \+ [1-9][0-9]?", text)),
-    ({"choice": ["red", "green (dark)", "blue?"]}, lambda text: text in ("red", "green (dark)", "blue?")),
-    ({"json": json.dumps(SCHEMA)}, lambda text: jsonschema.validate(json.loads(text), SCHEMA) is None),
+@pytest.mark.parametrize("extra, valid", [
+    ({"structured_outputs": {"regex": "(Yes|No)[.!]"}}, lambda text: re.fullmatch(r"(Yes|No)[.!]", text)),
+    ({"structured_outputs": {"grammar": 'start: NUMBER " + " NUMBER\nNUMBER: /[1-9][0-9]?/'}},
+     lambda text: re.fullmatch(r"[1-9][0-9]? \+ [1-9][0-9]?", text)),
+    ({"structured_outputs": {"choice": ["red", "green (dark)", "blue?"]}}, lambda text: text in ("red", "green (dark)", "blue?")),
+    ({"structured_outputs": {"json": json.dumps(SCHEMA)}}, lambda text: jsonschema.validate(json.loads(text), SCHEMA) is None),
+    ({"structured_outputs": {"json": SCHEMA}, "json_layout": "flexible"},
+     lambda text: jsonschema.validate(json.loads(text), SCHEMA) is None),
 ])
-def test_structured_outputs_through_extra_body(structured, valid, client):
-    answer = client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=40, seed=2,
-                                            extra_body={"structured_outputs": structured})
+def test_structured_outputs_through_extra_body(extra, valid, client):
+    answer = client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=40, seed=2, extra_body=extra)
     assert smc(answer.choices[0])["complete"]
     assert valid(answer.choices[0].message.content), answer.choices[0].message.content
 
@@ -206,6 +208,9 @@ BAD_INPUT = [
     ({"structured_outputs": {"structural_tag": "x"}}, "structured_outputs.structural_tag", "not supported"),
     ({"structured_outputs": {"regex": "a"}, "response_format": {"type": "json_object"}}, "structured_outputs", "not both"),
     ({"messages": [{"role": "user", "content": "word " * 9000}]}, "messages", "context window"),
+    ({"json_layout": "flexible"}, "json_layout", "applies to a JSON schema"),
+    ({"json_layout": "pretty", "response_format": {"type": "json_object"}}, "json_layout", "must be one of compact, flexible"),
+    ({"stop": ["."], "structured_outputs": {"regex": "a+"}}, None, "stop strings cannot be combined with constraints"),
 ]
 
 

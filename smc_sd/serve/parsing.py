@@ -34,7 +34,7 @@ SMC_FIELDS = (("method", STRING), ("particles", INTEGER), ("draft_len", INTEGER)
 #: the CLI's defaults of the settings that have one (particles, draft_len, draft_temperature: the method's)
 SMC_DEFAULTS = {"method": "smc-sd", "ess_threshold": 0.5, "alpha": 1.0, "resampling": "systematic"}
 COMMON = {"model", "max_tokens", "temperature", "seed", "n", "stop", "stream", "stream_options",
-          "response_format", "structured_outputs", "return_particles", *(name for name, _ in SMC_FIELDS)}
+          "response_format", "structured_outputs", "json_layout", "return_particles", *(name for name, _ in SMC_FIELDS)}
 SUPPORTED = {"chat": COMMON | {"messages", "max_completion_tokens"}, "completion": COMMON | {"prompt"}}
 #: fields not implemented, with the values that leave the output unchanged
 COMMON_NEUTRAL = {"top_p": (1,), "presence_penalty": (0,), "frequency_penalty": (0,), "logit_bias": ({},),

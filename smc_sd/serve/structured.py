@@ -8,7 +8,9 @@ into the constraint potentials of `smc_sd.programs.constrained.potentials`.
                         | {"grammar": "<Lark grammar>"} | {"choice": ["yes", "no", ...]}
                         | {"json_object": true}
 
-At most one constraint per request. A schema given as text is parsed here, so a string never
+At most one constraint per request. `json_layout` ("compact", the default: no whitespace, keys
+and punctuation forced; or "flexible") chooses the JSON's layout, as the CLI's --json-layout
+does. A schema given as text is parsed here, so a string never
 reaches `JsonSchema` as a file path. Invalid schemas, regexes and grammars are 400s carrying the
 constraint's own one-line message.
 """
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import json
 
+from smc_sd.program.grammars import JSON_LAYOUTS
 from smc_sd.serve.errors import bad_request
 from smc_sd.serve.fields import ARRAY, BOOLEAN, OBJECT, STRING, read, shown
 
@@ -42,11 +45,16 @@ def constraint_potentials(body: dict) -> tuple:
     elif given:
         param, kind, value = response_format(read(body, "response_format", OBJECT))
     else:
-        return ()
+        param, kind, value = None, None, None
+    layout = read(body, "json_layout", STRING)
+    if layout is not None and kind != "json_schema":
+        raise bad_request("json_layout applies to a JSON schema or json_object constraint; give one or drop it", "json_layout")
+    if layout is not None and layout not in JSON_LAYOUTS:
+        raise bad_request(f"json_layout must be one of {', '.join(sorted(JSON_LAYOUTS))}, got {shown(layout)}", "json_layout")
     if kind is None:
         return ()
     try:
-        return potentials(**{kind: value})
+        return potentials(**{kind: value}, **({} if layout is None else {"json_layout": layout}))
     except ValueError as error:
         raise bad_request(" ".join(str(error).split()), param) from None
 
