@@ -7,6 +7,7 @@ Dimension letters used in every shape comment of the library:
 - V: vocabulary size (rows of the logits)
 - S: tokens generated so far per particle
 - B, L: rows and new tokens of one backend call
+- M: particle slots of the batched engine (`smc_sd.engine.slots`), G: its running requests
 """
 
 from smc_sd.engine.resampling import RESAMPLERS, effective_sample_size, resample
