@@ -61,7 +61,7 @@ class Server:
 
     def requests(self, parsed: Parsed) -> list:
         """One engine Request per choice: for each prompt, one per seed (choice index p * n + i)."""
-        from smc_sd.cli import model_count
+        from smc_sd.settings import model_count
         from smc_sd.engine.batch import Request
 
         models = (self.target, self.draft)[: model_count(parsed)]

@@ -49,7 +49,7 @@ def engine_dead(cause: BaseException) -> APIError:
 def run_failed(error: BaseException) -> APIError:
     """The error a request's run ended with: 422 when every particle died (the request's own
     outcome, not the server's fault), 500 for anything else (a bug, reported with its type)."""
-    from smc_sd.cli import one_line
+    from smc_sd.settings import one_line
     from smc_sd.engine.result import AllParticlesDiedError
 
     if isinstance(error, AllParticlesDiedError):

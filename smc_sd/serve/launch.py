@@ -24,7 +24,7 @@ def check_serve_flags(args) -> None:
     Raises:
         ValueError: naming the flag.
     """
-    from smc_sd.cli import check_device, check_model_choice, check_vllm_options
+    from smc_sd.settings import check_device, check_model_choice, check_vllm_options
 
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port must lie in 0 .. 65535, got {args.port}")
@@ -62,7 +62,7 @@ def serve(args) -> int:
     """Run the server until SIGINT or SIGTERM; returns the exit status."""
     import uvicorn
 
-    from smc_sd.cli import load_models
+    from smc_sd.loading import load_models
     from smc_sd.engine.batch import BatchEngine
     from smc_sd.serve.app import Server, build_app
 

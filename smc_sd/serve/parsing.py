@@ -100,7 +100,7 @@ def parse(body, endpoint: str, model: ServedModel) -> Parsed:
     Raises:
         APIError: 400 naming the field for bad input; 404 for a model this server does not serve.
     """
-    from smc_sd.cli import check_program
+    from smc_sd.settings import check_program
 
     if not isinstance(body, dict):
         raise bad_request(f"the request body must be a JSON object, got {shown(body)}")

@@ -1,0 +1,90 @@
+"""The models a command line (or a server's flags) names, loaded: target and draft on hf or vLLM,
+in the dtype `--dtype` means, each load failure one line naming its flag."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+
+import torch
+
+from smc_sd.backends.precision import Precision, choose_precision
+from smc_sd.settings import model_count, one_line
+
+
+def model_precision(args) -> Precision:
+    """The dtype --dtype means for both models on --device (`smc_sd.backends.precision`)."""
+    if args.dtype == "float16":
+        return Precision(torch.float16, "asked for")
+    return choose_precision(args.dtype, args.device)
+
+
+def load_models(args):
+    """The target and (for methods that draft) the draft, as HFLanguageModels (or vLLM engines),
+    in the dtype of `model_precision`.
+
+    Raises:
+        ValueError: when a model directory does not load, naming it (one line).
+    """
+    if args.backend == "vllm":
+        return load_vllm_models(args)
+    from transformers.utils import logging as transformers_logging
+
+    from smc_sd.backends.hf import HFLanguageModel
+    from smc_sd.drafts import named_draft, parse_draft
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    # stderr carries the CLI's own progress line; transformers' per-load bars would clutter it
+    transformers_logging.disable_progress_bar()
+    dtype = model_precision(args).dtype
+    with loading("--target", args.target):
+        target = HFLanguageModel.default(args.device, dtype=dtype) if args.target is None else HFLanguageModel.from_pretrained(args.target, device=args.device, dtype=dtype)
+    choice = parse_draft(args.draft)
+    if model_count(args) == 1 or not choice.has_lm:
+        return target, None
+    with loading("--draft", choice.lm):
+        return target, named_draft(choice.lm, args.target, args.device, target=target, dtype=dtype)
+
+
+@contextlib.contextmanager
+def loading(flag: str, path: str | None):
+    """Turn a model directory's load failure (transformers raises OSError or ValueError, often in
+    several lines) into one ValueError line naming the flag and the directory. The package's own
+    models (no path, PACKAGE_DRAFTS) pass their errors through unchanged."""
+    from smc_sd.drafts import PACKAGE_DRAFTS
+
+    try:
+        yield
+    except (OSError, ValueError) as error:
+        if path in (None, *PACKAGE_DRAFTS):
+            raise
+        raise ValueError(f"{flag} {path}: cannot load a model: {one_line(error)}") from error
+
+
+def load_vllm_models(args):
+    """The target and draft as VLLMLanguageModels, one engine each, with the CLI's engine options.
+
+    The default draft is the default model without decoder layer 5 (`--draft self`, as on hf;
+    vLLM cannot serve the package's distilled restricted-vocabulary draft).
+    """
+    from smc_sd.backends.vllm import VLLMLanguageModel, VLLMOptions
+    from smc_sd.drafts import parse_draft
+
+    given = {"tensor_parallel_size": args.tensor_parallel_size,
+             "gpu_memory_utilization": args.gpu_memory_utilization, "dtype": model_precision(args).name}
+    options = VLLMOptions(
+        **{name: value for name, value in given.items() if value is not None},
+        # a GPU sizes its KV cache from the memory fraction; the CPU default keeps 1 GiB
+        kv_cache_bytes=None if args.device.startswith("cuda") else VLLMOptions.kv_cache_bytes,
+        block_size=None if args.device.startswith("cuda") else VLLMOptions.block_size,
+    )
+    with loading("--target", args.target):
+        target = VLLMLanguageModel(args.target, options) if args.target else VLLMLanguageModel.default(options)
+    choice = parse_draft(args.draft)
+    if model_count(args) == 1 or not choice.has_lm:
+        return target, None
+    # check_model_choice has refused a distilled draft and a --target without a --draft
+    if choice.lm not in (None, "self"):
+        with loading("--draft", choice.lm):
+            return target, VLLMLanguageModel(choice.lm, options)
+    return target, VLLMLanguageModel.self_draft(options)
