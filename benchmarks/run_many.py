@@ -93,9 +93,8 @@ def kv_of_joined_prompts(program, schedule, prompts, block_size: int) -> dict:
     draft = program.proposal.lm if program.proposal is not None else None
     engine = BatchEngine(target, draft, max_running=len(prompts), max_slots=len(prompts) * schedule.particles)
     handles = [engine.submit(Request(p, program, schedule, seed=i)) for i, p in enumerate(prompts)]
-    # admit everyone and draw the first tokens, without decoding a cycle
-    engine._admit()
-    engine._reseat()
+    # everyone joins and draws a first token, without decoding a cycle
+    engine.admit()
     joined = engine.target_rows.memory()["live_blocks"]
     for handle in handles:
         handle.cancel()

@@ -336,8 +336,7 @@ def test_paged_hf_batch_matches_program_run_and_returns_every_block(llamas):
     requests = llama_requests(target, draft)
     engine = BatchEngine(target, draft, max_running=8)
     handles = [engine.submit(r) for r in requests]
-    engine._admit()
-    engine._reseat()
+    engine.admit()
     # the system prompt's 3 full blocks are stored once: every row of every request lists them
     for rows in (engine.target_rows, engine.draft_rows):
         assert len({tuple(row) for row in rows.rows._table.blocks[:, :3].tolist()}) == 1

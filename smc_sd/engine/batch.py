@@ -44,7 +44,7 @@ from smc_sd.backends.base import LanguageModel, check_same_vocabulary
 from smc_sd.engine.groups import Group, ImportanceGroup, SpeculativeGroup
 from smc_sd.engine.requests import Event, Handle, QueueFullError, Request
 from smc_sd.engine.result import Result, kv_memory
-from smc_sd.engine.rows import RowSet
+from smc_sd.engine.rows import RowSet, join_groups, reseat_groups
 from smc_sd.engine.slots import SlotTable
 
 __all__ = ["BatchEngine", "Event", "Handle", "QueueFullError", "Request", "run_many"]
@@ -150,6 +150,12 @@ class BatchEngine:
         with self._lock:
             return bool(self._running or self._waiting)
 
+    def admit(self) -> None:
+        """Join the waiting requests there is room for (they draw their first tokens) without
+        running a cycle; `step` does this first."""
+        if self._drop_cancelled() | self._admit():
+            self._reseat()
+
     def run_forever(self, stop_event: threading.Event) -> None:
         """Step until `stop_event` is set (the server's loop thread); returns when the engine dies."""
         while not stop_event.is_set():
@@ -254,7 +260,7 @@ class BatchEngine:
         with self._lock:
             self._running.extend(entries)
         try:
-            joined = self._join([e.group for e in entries])
+            joined = join_groups(self.target_rows, self.draft_rows, [e.group for e in entries])
         except NotImplementedError:
             # the backend keeps rows of one length: from now on one request runs at a time
             self._ragged = False
@@ -270,34 +276,6 @@ class BatchEngine:
             if self._attempt(entry, entry.group.begin, logits, *bases):
                 self._finish_or_report(entry)
         return True
-
-    def _join(self, groups: list[Group]) -> list[tuple[tuple[int, int], torch.Tensor]]:
-        """Add every group's N rows to the target's (and the draft's) rows.
-
-        Returns:
-            per group ((its first target row, its first draft row), [V] target logits after its
-            prompt).
-
-        Raises:
-            NotImplementedError: when a backend keeps rows of one length (nothing changed then).
-        """
-        counts = [g.plan.particles for g in groups]
-        target_base = self.target_rows.size
-        logits = self.target_rows.join_many([g.prompt for g in groups], counts)
-        # [G]: each group's first row: the rows held, then the groups before it
-        target_bases = (target_base + torch.cumsum(torch.tensor([0] + counts[:-1]), 0)).tolist()
-        draft_bases = [0] * len(groups)
-        drafting = [i for i, g in enumerate(groups) if g.has_draft]
-        if drafting:
-            draft_base = self.draft_rows.size
-            try:
-                self.draft_rows.join_many([groups[i].prompt for i in drafting], [counts[i] for i in drafting])
-            except NotImplementedError:
-                self.target_rows.keep_first(target_base)
-                raise
-            for i, base in zip(drafting, torch.cumsum(torch.tensor([0] + [counts[i] for i in drafting][:-1]), 0).tolist()):
-                draft_bases[i] = draft_base + base
-        return [((t, d), l) for t, d, l in zip(target_bases, draft_bases, logits)]
 
     def _cycle(self) -> None:
         """Draft passes, one target pass, and every request's verification."""
@@ -365,27 +343,7 @@ class BatchEngine:
         self._leave(entry, result, None)
 
     def _reseat(self) -> None:
-        """Make the rows those of the running requests' unfinished particles, at their lengths."""
-        sources = {"target": [], "draft": []}
-        lengths = {"target": [], "draft": []}
-        offsets = {"target": 0, "draft": 0}
-        for entry in self._running:
-            group = entry.group
-            live = group.live()
-            for name, row_of, length, used in (
-                ("target", self.table.target_row, group.target_length(), True),
-                ("draft", self.table.draft_row, group.draft_length(), group.has_draft),
-            ):
-                if not used:
-                    continue
-                sources[name].append(row_of[live])
-                lengths[name].append(torch.full((live.numel(),), length, dtype=torch.int64))
-                row_of[live] = torch.arange(offsets[name], offsets[name] + live.numel())
-                offsets[name] += live.numel()
-        for name, rows in (("target", self.target_rows), ("draft", self.draft_rows)):
-            if rows is not None:
-                empty = torch.empty(0, dtype=torch.int64)
-                rows.reseat(torch.cat(sources[name] or [empty]), torch.cat(lengths[name] or [empty]))
+        reseat_groups(self.table, self.target_rows, self.draft_rows, [e.group for e in self._running])
 
     # --- requests leaving -----------------------------------------------------------------
 

@@ -84,3 +84,67 @@ class RowSet:
         if self.rows is not None:
             self.rows.close()
             self.rows = None
+
+
+def join_groups(target_rows: RowSet, draft_rows: RowSet | None, groups: list) -> list[tuple[tuple[int, int], torch.Tensor]]:
+    """Add every joining group's N rows after the rows held, to the target's rows and (for a
+    group with a draft) the draft's, the prompts of all groups in one `join_many` per model.
+
+    Args:
+        groups: the joining `smc_sd.engine.groups.Group`s, in running order.
+
+    Returns:
+        per group ((its first target row, its first draft row), [V] target logits after its
+        prompt).
+
+    Raises:
+        NotImplementedError: when a backend keeps rows of one length (nothing changed then).
+    """
+    counts = [g.plan.particles for g in groups]
+    target_base = target_rows.size
+    logits = target_rows.join_many([g.prompt for g in groups], counts)
+    # [G]: each group's first row: the rows held, then the groups before it
+    target_bases = (target_base + torch.cumsum(torch.tensor([0] + counts[:-1]), 0)).tolist()
+    draft_bases = [0] * len(groups)
+    drafting = [i for i, g in enumerate(groups) if g.has_draft]
+    if drafting:
+        draft_base = draft_rows.size
+        try:
+            draft_rows.join_many([groups[i].prompt for i in drafting], [counts[i] for i in drafting])
+        except NotImplementedError:
+            target_rows.keep_first(target_base)
+            raise
+        offsets = torch.cumsum(torch.tensor([0] + [counts[i] for i in drafting][:-1]), 0).tolist()
+        for i, offset in zip(drafting, offsets):
+            draft_bases[i] = draft_base + offset
+    return [((t, d), l) for t, d, l in zip(target_bases, draft_bases, logits)]
+
+
+def reseat_groups(table, target_rows: RowSet, draft_rows: RowSet | None, groups: list) -> None:
+    """Make the rows, group after group, those of each group's unfinished particles in particle
+    order, a target row holding its prompt and generated tokens but the last, a draft row all
+    but the last two; renumber the table's `target_row` and `draft_row` to match.
+
+    Args:
+        table: the engine's `SlotTable`; its rows name each particle's row now held.
+        groups: the running groups, in running order.
+    """
+    sources = {"target": [], "draft": []}
+    lengths = {"target": [], "draft": []}
+    offsets = {"target": 0, "draft": 0}
+    for group in groups:
+        live = group.live()
+        for name, row_of, length, used in (
+            ("target", table.target_row, group.target_length(), True),
+            ("draft", table.draft_row, group.draft_length(), group.has_draft),
+        ):
+            if not used:
+                continue
+            sources[name].append(row_of[live])
+            lengths[name].append(torch.full((live.numel(),), length, dtype=torch.int64))
+            row_of[live] = torch.arange(offsets[name], offsets[name] + live.numel())
+            offsets[name] += live.numel()
+    empty = torch.empty(0, dtype=torch.int64)
+    for name, rows in (("target", target_rows), ("draft", draft_rows)):
+        if rows is not None:
+            rows.reseat(torch.cat(sources[name] or [empty]), torch.cat(lengths[name] or [empty]))
