@@ -18,7 +18,13 @@ from __future__ import annotations
 import abc
 from typing import Callable
 
+import numpy as np
 import torch
+
+
+def stack_rows(rows: list[torch.Tensor]) -> torch.Tensor:
+    """B masks [1, V] bool as one new [B, V] bool (numpy copies bool rows 3x faster than torch.cat)."""
+    return torch.from_numpy(np.concatenate([row.numpy() for row in rows]))
 
 
 class UnsatisfiableConstraintError(ValueError):
@@ -38,6 +44,23 @@ class TokenConstraint(abc.ABC):
         Returns:
             [B, V] bool; see the module docstring.
         """
+
+    def mask_rows(self, prefixes: list[list[int]]) -> tuple[list[torch.Tensor], list[bool]]:
+        """`mask` row by row, with whether each row allows no token (a dead end).
+
+        Derived from `mask`; a constraint that answers faster overrides it.
+
+        Args:
+            prefixes: B >= 1 lists of generated token ids (no EOS inside).
+
+        Returns:
+            (B tensors [1, V] bool, B bools). Equal rows may be one tensor shared between calls:
+            masks are read, never written.
+        """
+        masks = self.mask(prefixes)
+        # a row-wise any() as a uint8 max: torch's bool any() is 20x slower on CPU
+        allowed = masks.view(torch.uint8).amax(1).tolist()
+        return list(masks.split(1)), [not a for a in allowed]
 
     def forced_tokens(self, prefix: list[int]) -> list[int]:
         """Tokens every completion of the prefix starts with, as far as this constraint can tell

@@ -16,20 +16,18 @@ Such a mask cuts token sequences the target gives mass to. Without forcing, llgu
 token trie from the parser state (forced bytes included), so the mask is the set above: every
 token whose bytes keep the string completable, whatever tokenization it starts.
 
-Matcher states live in a pool keyed by prefix tuple and shared by genealogy: the state of a new
-prefix is a `deep_copy` of the state of its longest pooled prefix, advanced by `consume_tokens`
-over the tokens in between (usually one). Resampling and forking therefore need nothing from the
-engine: copies of a particle ask for the same prefix, and a rolled-back prefix (exact SD's
-rejection) finds its state still pooled. Every `WINDOW` calls the states not asked for in the
-last `WINDOW` calls are dropped; a prefix whose ancestors were all dropped is rebuilt from the
-empty prefix, which costs time only.
+Matcher states live in a `MatcherPool`, shared by genealogy: a prefix's state is its parent's
+matcher walked on in place, or a rolled-back copy where lines fork (`smc_sd.program.matcher_pool`).
 
-The masks of a batch come from one `fill_next_token_bitmask_par` call (one row per distinct
-prefix) where the machine has `PARALLEL_MIN_CPUS` cores or more; below that, one
-`fill_next_token_bitmask` per row, since handing rows to llguidance's thread pool costs more than
-it saves (measured on 2 shared cores: 187 µs for 4 JSON-schema rows in one parallel call, 44 µs
-in four plain calls). The int32 bit words are unpacked to bool with numpy, without a loop over
-tokens.
+A mask is computed as llguidance's int32 bit words (one `unsafe_compute_mask_ptr` per distinct
+prefix into a buffer kept between calls, or one parallel call over every row where the machine
+has `PARALLEL_MIN_CPUS` cores or more: handing rows to llguidance's thread pool costs more than
+it saves on fewer, measured on 2 shared cores: 187 µs for 4 JSON-schema rows in one parallel
+call, 44 µs in four plain calls). The words then key a table of the bool rows already unpacked:
+along a JSON answer 66-88% of the positions repeat a mask seen earlier in the same answer
+(inside a string, after a key, ...), so most calls unpack nothing and return a cached row. On a
+CPU every numpy or torch call right after a model pass costs tens of microseconds (the pass has
+evicted the caches), so a mask call makes as few of them as it can.
 """
 
 from __future__ import annotations
@@ -40,14 +38,14 @@ import weakref
 
 import llguidance
 import llguidance.hf
-import llguidance.torch
 import numpy as np
 import torch
 
-from smc_sd.program.constraints import TokenConstraint
+from smc_sd.program.constraints import TokenConstraint, stack_rows
+from smc_sd.program.matcher_pool import MatcherPool
 
-#: calls after which a matcher state nobody asked for leaves the pool
-WINDOW = 32
+#: distinct masks kept (as bools, 6 KiB of words and 48 KiB of bools each at V = 49,152)
+MAX_ROWS = 256
 #: cores from which a batch's masks go to llguidance's thread pool in one call
 PARALLEL_MIN_CPUS = 4
 # read once: os.cpu_count() costs tens of microseconds per call
@@ -155,13 +153,8 @@ def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """
     # [B, 4 W] uint8 in little-endian order, so bit j of byte c is token 8 c + j
     data = bitmask.numpy().astype("<i4", copy=False).view(np.uint8)
-    # [B, 32 W] bool (unpackbits writes 0/1 bytes, valid bools)
-    bits = torch.from_numpy(np.unpackbits(data, axis=1, bitorder="little")).view(torch.bool)
-    if bits.shape[1] >= vocab_size:
-        return bits[:, :vocab_size]
-    out = torch.zeros(bitmask.shape[0], vocab_size, dtype=torch.bool)
-    out[:, : bits.shape[1]] = bits
-    return out
+    # [B, V] 0/1 bytes, valid bools (unpackbits pads with zeros past 32 W)
+    return torch.from_numpy(np.unpackbits(data, axis=1, count=vocab_size, bitorder="little")).view(torch.bool)
 
 
 class GrammarConstraint(TokenConstraint):
@@ -181,66 +174,92 @@ class GrammarConstraint(TokenConstraint):
     def __init__(self, grammar: str, lm, description: str = "grammar", exact_check=None):
         self.vocab_size, self.exact_check = lm.vocabulary.size, exact_check
         self._tokenizer, allowed = lm_tokenizer(lm)
+        # llguidance writes W words per row, W = ceil(tokenizer size / 32)
+        self._width = (self._tokenizer.vocab_size + 31) // 32
         # [W] int32: the allowed-token row as bit words over the tokenizer's ids
-        width = llguidance.torch.get_bitmask_shape(1, self._tokenizer.vocab_size)[1]
-        bits = np.zeros(32 * width, dtype=bool)
-        bits[: min(self.vocab_size, 32 * width)] = allowed.numpy()[: 32 * width]
-        self._allowed_words = torch.from_numpy(np.packbits(bits, bitorder="little").view("<i4").astype(np.int32))
+        bits = np.zeros(32 * self._width, dtype=bool)
+        bits[: min(self.vocab_size, 32 * self._width)] = allowed.numpy()[: 32 * self._width]
+        self._allowed_words = np.packbits(bits, bitorder="little").view("<i4").astype(np.int32)
+        self._buffer, self._address = memoryview(b""), 0
         root = llguidance.LLMatcher(self._tokenizer, without_forcing(grammar), log_level=0)
         if root.is_error():
             raise ValueError(f"invalid {description}: {root.get_error().splitlines()[0]}")
-        # prefix -> [matcher state after it, the call that last asked for it]
-        self._pool: dict[tuple[int, ...], list] = {(): [root, 0]}
-        self.calls = 0
+        self._states = MatcherPool(root)
+        # llguidance's bit words (b"" for a dead prefix) -> (mask [1, V] bool, allows no token)
+        self._rows: dict[bytes, tuple[torch.Tensor, bool]] = {}
+        # [rows, W] int32 that llguidance writes into, as bytes, and its address
+        self._buffer, self._address = memoryview(b""), 0
 
-    def _state(self, prefix: tuple[int, ...]) -> llguidance.LLMatcher:
-        entry = self._pool.get(prefix)
-        if entry is None:
-            known = next(n for n in range(len(prefix) - 1, -1, -1) if prefix[:n] in self._pool)
-            self._pool[prefix[:known]][1] = self.calls
-            matcher = self._pool[prefix[:known]][0].deep_copy()
-            # a token the grammar refuses leaves the matcher in its error state: a dead prefix
-            matcher.consume_tokens(list(prefix[known:]))
-            entry = self._pool[prefix] = [matcher, self.calls]
-        entry[1] = self.calls
-        return entry[0]
+    def _words(self, keys) -> list[bytes]:
+        """llguidance's bit words of the mask after each prefix, as bytes (b"" for a dead one)."""
+        size = 4 * self._width
+        if len(keys) * size > len(self._buffer):
+            self._buffer = memoryview(np.zeros((len(keys), self._width), dtype=np.int32)).cast("B")
+            self._address = np.frombuffer(self._buffer, dtype=np.uint8).ctypes.data
+        filled = []
+        if len(keys) > 1 and _PARALLEL:
+            # llguidance's threads need every state at once: copies, as a line moves on
+            states = [self._states.state(key) for key in keys]
+            live = [(state.deep_copy(), i) for i, state in enumerate(states) if state is not None]
+            executor().unsafe_compute_mask_ptr(live, self._address, size, len(keys))
+            filled = [i for _, i in live]
+        else:
+            for i, key in enumerate(keys):
+                # filled at once: asking for the next prefix may advance this state
+                state = self._states.state(key)
+                if state is not None:
+                    state.unsafe_compute_mask_ptr(self._address + i * size, size)
+                    filled.append(i)
+        words = [b""] * len(keys)
+        for i in filled:
+            words[i] = bytes(self._buffer[i * size : (i + 1) * size])
+        return words
 
-    def _prune(self) -> None:
-        # every WINDOW calls, so a state lives between WINDOW and 2 WINDOW calls unasked
-        if self.calls % WINDOW:
+    def _cache_rows(self, words: list[bytes]) -> None:
+        """Unpack the bit words not seen before, in one batch, into `_rows`."""
+        new = [w for w in words if w not in self._rows]
+        if not new:
             return
-        stale = [p for p, (_, last) in self._pool.items() if p and last < self.calls - WINDOW]
-        for prefix in stale:
-            del self._pool[prefix]
+        new = list(dict.fromkeys(new))
+        if len(self._rows) + len(new) > MAX_ROWS:
+            # full: start again with this call's masks
+            self._rows.clear()
+            new = list(dict.fromkeys(words))
+        # [M, W] int32; special tokens and ids past the model's rows are never allowed
+        zero = bytes(4 * self._width)
+        bits = np.frombuffer(b"".join(w or zero for w in new), dtype=np.int32).reshape(len(new), self._width) & self._allowed_words
+        masks = unpack_bitmask(torch.from_numpy(bits), self.vocab_size).split(1)
+        for w, mask, allowed in zip(new, masks, bits.any(1).tolist()):
+            self._rows[w] = (mask, not allowed)
+
+    def mask_rows(self, prefixes: list[list[int]]) -> tuple[list[torch.Tensor], list[bool]]:
+        """Masks after each prefix, one [1, V] row each, and whether each allows no token.
+
+        Equal masks are one tensor, kept between calls (`MAX_ROWS` of them): most positions of
+        a grammar repeat a mask seen before, so the unpacking runs for new masks only.
+        """
+        self._states.tick()
+        keys = [tuple(p) for p in prefixes]
+        # one fill per distinct prefix: copies of a resampled particle share their state
+        distinct = list(dict.fromkeys(keys)) if len(keys) > 1 else keys
+        words = self._words(distinct)
+        self._cache_rows(words)
+        rows = [self._rows[w] for w in words]
+        if len(distinct) < len(keys):
+            row_of = dict(zip(distinct, rows))
+            rows = [row_of[key] for key in keys]
+        return [mask for mask, _ in rows], [dead for _, dead in rows]
 
     def mask(self, prefixes: list[list[int]]) -> torch.Tensor:
-        self.calls += 1
-        keys = [tuple(p) for p in prefixes]
-        # one row per distinct prefix: copies of a resampled particle share their state
-        rows = {key: i for i, key in enumerate(dict.fromkeys(keys))}
-        states = [self._state(key) for key in rows]
-        # [U, W] int32, all zero (nothing allowed) for dead prefixes
-        bitmask = torch.zeros(llguidance.torch.get_bitmask_shape(len(states), self._tokenizer.vocab_size), dtype=torch.int32)
-        live = [(state, i) for i, state in enumerate(states) if not state.is_error()]
-        if len(live) > 1 and _PARALLEL:
-            llguidance.torch.fill_next_token_bitmask_par(executor(), live, bitmask)
-        else:
-            for state, i in live:
-                llguidance.torch.fill_next_token_bitmask(state, bitmask, i)
-        self._prune()
-        # special tokens and ids past the model's rows are never allowed: cleared in the bit words
-        bitmask &= self._allowed_words
-        # [U, V] bool, then [B, V] bool in the order asked
-        masks = unpack_bitmask(bitmask, self.vocab_size)
-        return masks if len(rows) == len(keys) else masks[[rows[key] for key in keys]]
+        return stack_rows(self.mask_rows(prefixes)[0])
 
     def forced_tokens(self, prefix: list[int]) -> list[int]:
         """The tokenizer's tokenization of the bytes every completion of the prefix starts with
         (llguidance's forced bytes; [] for a dead prefix). Its last token may merge with later
         text in the canonical tokenization; as a draft that costs a rejection at most. Other
         tokenizations of those bytes stay allowed by `mask`."""
-        state = self._state(tuple(prefix))
-        if state.is_error():
+        state = self._states.state(tuple(prefix))
+        if state is None:
             return []
         forced = state.compute_ff_bytes()
         return list(self._tokenizer.tokenize_bytes(forced)) if forced else []
