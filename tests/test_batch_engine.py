@@ -408,3 +408,21 @@ def test_the_loop_thread_serves_requests_submitted_from_other_threads():
     assert not loop.is_alive() and engine.dead is None
     for request, batched in zip(requests, outcomes):
         assert_same_outcome(batched, alone(request))
+
+
+def test_a_feature_draft_serves_one_request_at_a_time_with_program_runs_results():
+    from tests.test_feature_draft import feature_draft
+    from tests.tiny_llama import PROMPT as LLAMA_PROMPT
+    from tests.tiny_llama import tiny_llama
+
+    draft = feature_draft(tiny_llama())
+    target = draft.target
+    requests = [Request(LLAMA_PROMPT, smc_speculative.program(target, draft, draft_len=3), Schedule(4, max_tokens=12), seed=s) for s in range(2)]
+    requests.append(Request(LLAMA_PROMPT + [7], speculative.program(target, draft, draft_len=2), Schedule(1, max_tokens=10), seed=9))
+    engine = BatchEngine(target, draft, max_running=3)
+    handles = [engine.submit(r) for r in requests]
+    while engine.step():
+        assert engine.stats()["requests_running"] <= 1
+    for request, handle in zip(requests, handles):
+        batched, single = handle.result(0), alone(request)
+        assert batched.particles == single.particles and torch.allclose(batched.log_weights, single.log_weights, atol=1e-4)

@@ -200,11 +200,11 @@ class PagedHFSequences(Sequences):
         """Join several prompts with ONE forward over their parts past the trie's shared
         prefixes (`_prefill`). Returns the logits after each prompt, [V] float32 each."""
         self._check_open()
+        if not prompts:
+            return []
         for prompt, count in zip(prompts, counts):
             check_join(prompt, count, self._lm.max_length)
         self._refuse_features("join_many")
-        if not prompts:
-            return []
         manager = self._kv.manager
         opened = [manager.open_shared(prompt) for prompt in prompts]
         table = opened[0][0]

@@ -261,7 +261,12 @@ class BatchEngine:
             self._running.extend(entries)
         try:
             joined = join_groups(self.target_rows, self.draft_rows, [e.group for e in entries])
-        except NotImplementedError:
+        except NotImplementedError as error:
+            if not self._ragged:
+                # one request alone was refused: nothing to fall back to
+                for entry in entries:
+                    self._leave(entry, None, error)
+                return False
             # the backend keeps rows of one length: from now on one request runs at a time
             self._ragged = False
             with self._lock:

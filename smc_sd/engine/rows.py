@@ -45,6 +45,8 @@ class RowSet:
         if self.rows is not None:
             return self.rows.join_many(prompts, counts)
         self.rows, first = self.lm.open(prompts[0], counts[0])
+        if len(prompts) == 1:
+            return [first]
         try:
             return [first] + self.rows.join_many(prompts[1:], counts[1:])
         except NotImplementedError:
