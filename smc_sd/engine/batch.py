@@ -136,25 +136,34 @@ class BatchEngine:
         Raises:
             the error of a backend pass (the engine is then dead and every request failed).
         """
-        if self.dead is not None:
-            raise RuntimeError(f"the engine has stopped after an error: {self.dead}")
-        try:
-            if self._drop_cancelled() | self._admit():
-                self._reseat()
-            if self._running:
-                self._cycle()
-                self._reseat()
-        except BaseException as error:
-            self._die(error)
-            raise
+        self._guard_backends(self._admit_and_cycle)
         with self._lock:
             return bool(self._running or self._waiting)
 
     def admit(self) -> None:
         """Join the waiting requests there is room for (they draw their first tokens) without
         running a cycle; `step` does this first."""
+        self._guard_backends(self._admit_waiting)
+
+    def _admit_and_cycle(self) -> None:
+        self._admit_waiting()
+        if self._running:
+            self._cycle()
+            self._reseat()
+
+    def _admit_waiting(self) -> None:
         if self._drop_cancelled() | self._admit():
             self._reseat()
+
+    def _guard_backends(self, call) -> None:
+        """Run engine work; a failure there (a backend pass) kills the engine and every request."""
+        if self.dead is not None:
+            raise RuntimeError(f"the engine has stopped after an error: {self.dead}")
+        try:
+            call()
+        except BaseException as error:
+            self._die(error)
+            raise
 
     def run_forever(self, stop_event: threading.Event) -> None:
         """Step until `stop_event` is set (the server's loop thread); returns when the engine dies."""
