@@ -43,12 +43,12 @@ class Masker:
         self.seconds = 0.0
         self.row_seconds: list[float] = []
 
-    def __call__(self, prefixes: list[list[int]], live: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def __call__(self, prefixes: list[list[int]], live: torch.Tensor | list[bool]) -> tuple[torch.Tensor, torch.Tensor]:
         """Masks of the live rows.
 
         Args:
             prefixes: N lists of generated token ids.
-            live: [N] bool, rows whose mask matters.
+            live: [N] bool (a tensor or a list), rows whose mask matters.
 
         Returns:
             mask: [N, V] bool (all True on rows that are not live); dead: [N] bool, live rows
@@ -57,7 +57,7 @@ class Masker:
         """
         started = time.perf_counter()
         n = len(prefixes)
-        flags = live.tolist()
+        flags = live.tolist() if isinstance(live, torch.Tensor) else live
         asked = [i for i in range(n) if flags[i]]
         if len(asked) == n and n:
             rows, dead = self._conjunction.mask_rows(prefixes)

@@ -135,10 +135,13 @@ def block_masks(masker, prefixes: list[list[int]], live: torch.Tensor, eos: int)
         mask_at(drafted [N, j] int64) -> (mask [N, V] bool, dead [N] bool); rows with an EOS
         among the drafted tokens are no longer live.
     """
+    # in Python lists: a torch call costs tens of microseconds right after a model pass
+    flags = live.tolist()
 
     def mask_at(drafted: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        rows = [prefix + block for prefix, block in zip(prefixes, drafted.tolist())]
-        return masker(rows, live & ~(drafted == eos).any(1))
+        blocks = drafted.tolist()
+        rows = [prefix + block for prefix, block in zip(prefixes, blocks)]
+        return masker(rows, [alive and eos not in block for alive, block in zip(flags, blocks)])
 
     return mask_at
 
