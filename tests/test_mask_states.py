@@ -37,10 +37,15 @@ def engine_like_batches(rng: random.Random, letters: int, steps: int) -> list[li
     return batches
 
 
-@pytest.mark.parametrize("window,max_rows", [(32, 256), (2, 3)], ids=["defaults", "tiny pool and table"])
-def test_masks_equal_brute_force_along_engine_like_requests(monkeypatch, window, max_rows):
+@pytest.mark.parametrize(
+    "window,max_rows,parallel",
+    [(32, 256, False), (2, 3, False), (32, 256, True)],
+    ids=["defaults", "tiny pool and table", "llguidance's thread pool"],
+)
+def test_masks_equal_brute_force_along_engine_like_requests(monkeypatch, window, max_rows, parallel):
     monkeypatch.setattr(matcher_pool, "WINDOW", window)
     monkeypatch.setattr(llguidance_masks, "MAX_ROWS", max_rows)
+    monkeypatch.setattr(llguidance_masks, "_PARALLEL", parallel)
     lm = WordLM(REGEX_WORDS)
     constraint = as_token_constraint(Regex(REGEX), lm)
     viable, complete = regex_oracle(REGEX)

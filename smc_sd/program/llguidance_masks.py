@@ -180,7 +180,6 @@ class GrammarConstraint(TokenConstraint):
         bits = np.zeros(32 * self._width, dtype=bool)
         bits[: min(self.vocab_size, 32 * self._width)] = allowed.numpy()[: 32 * self._width]
         self._allowed_words = np.packbits(bits, bitorder="little").view("<i4").astype(np.int32)
-        self._buffer, self._address = memoryview(b""), 0
         root = llguidance.LLMatcher(self._tokenizer, without_forcing(grammar), log_level=0)
         if root.is_error():
             raise ValueError(f"invalid {description}: {root.get_error().splitlines()[0]}")
@@ -196,22 +195,23 @@ class GrammarConstraint(TokenConstraint):
         if len(keys) * size > len(self._buffer):
             self._buffer = memoryview(np.zeros((len(keys), self._width), dtype=np.int32)).cast("B")
             self._address = np.frombuffer(self._buffer, dtype=np.uint8).ctypes.data
-        filled = []
-        if len(keys) > 1 and _PARALLEL:
-            # llguidance's threads need every state at once: copies, as a line moves on
-            states = [self._states.state(key) for key in keys]
-            live = [(state.deep_copy(), i) for i, state in enumerate(states) if state is not None]
+        parallel = len(keys) > 1 and _PARALLEL
+        # a state is read before the next prefix is asked for (that may walk its line on)
+        live = []
+        for i, key in enumerate(keys):
+            state = self._states.state(key)
+            if state is None:
+                continue
+            if parallel:
+                # llguidance's threads read every state at once: copies
+                live.append((state.deep_copy(), i))
+            else:
+                state.unsafe_compute_mask_ptr(self._address + i * size, size)
+                live.append((state, i))
+        if parallel and live:
             executor().unsafe_compute_mask_ptr(live, self._address, size, len(keys))
-            filled = [i for _, i in live]
-        else:
-            for i, key in enumerate(keys):
-                # filled at once: asking for the next prefix may advance this state
-                state = self._states.state(key)
-                if state is not None:
-                    state.unsafe_compute_mask_ptr(self._address + i * size, size)
-                    filled.append(i)
         words = [b""] * len(keys)
-        for i in filled:
+        for _, i in live:
             words[i] = bytes(self._buffer[i * size : (i + 1) * size])
         return words
 
