@@ -33,9 +33,9 @@ import time
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
 from _common import emit, environment  # noqa: E402
+from extraction import ITEMS, REQUEST  # noqa: E402
 
-ITEMS = pathlib.Path(__file__).resolve().parent / "extraction_items.json"
-REQUEST = "Extract the data in this JSON schema from the text and answer with one JSON object.\nSchema: {schema}\nText:\n{document}"
+#: positions per call in the "block" mode
 BLOCK = 8
 
 
@@ -59,12 +59,14 @@ def answers(target, items: list[dict], seeds: int, temperature: float, max_token
 
 
 def fresh_masker(target, schema):
-    """A `Masker` of the schema with a fresh matcher pool, as a new run's plan holds."""
+    """A `Masker` of the schema with a fresh matcher pool and mask table, as a run's plan holds
+    for a schema it has not seen (built directly: the compiler's cache would keep every one)."""
     from smc_sd.compiler.masks import Masker
     from smc_sd.program.grammars import JsonSchema
-    from smc_sd.program.potentials import as_token_constraint
+    from smc_sd.program.llguidance_masks import GrammarConstraint
 
-    constraint = as_token_constraint(JsonSchema(schema), target)
+    potential = JsonSchema(schema)
+    constraint = GrammarConstraint(potential.grammar, target, potential.description, potential.exact_check)
     return Masker((constraint,), target.vocabulary.size, target.vocabulary.eos_token_id)
 
 
