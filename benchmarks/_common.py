@@ -53,7 +53,13 @@ def load_default_models(draft_dir: str | None = None, dtype=torch.float32):
 
 
 def describe_draft(draft: str | None) -> str:
-    """The draft named as `load_default_models` takes it, in words for a results file."""
+    """The draft named as `load_default_models` takes it (or "free", "free+NAME"), in words for a results file."""
+    from smc_sd.drafts import FREE
+
+    if draft == FREE:
+        return "the free draft alone (smc_sd.program.FreeDraft: continuations found in the prompt and the text so far, no model)"
+    if draft is not None and draft.startswith(FREE + "+"):
+        return "the free draft where it proposes, elsewhere " + describe_draft(draft[len(FREE) + 1 :])
     if draft in (None, "self"):
         return "the default draft (the target without decoder layer 5)"
     if draft == "distilled":

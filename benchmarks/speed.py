@@ -9,8 +9,8 @@ grid) each prompt is decoded once with a fixed seed. Reported per configuration:
   log p_T(x_t | x_<t) at T = 1 (scored by the run's target, in its dtype); logprob_ratio_vs_ar:
   that mean / ar's (1.03 = 3% lower);
 - mean_ess_per_cycle: the mean ESS (out of N) after each cycle's weight update;
-- the row "hf-generate" is transformers' own `generate` (sampling at T = 1, no top-k/top-p), a
-  second anchor beside the library's ar;
+- the row "hf-generate" is transformers' own `generate` (sampling, no top-k/top-p), a second
+  anchor beside the library's ar;
 - kv_peak_bytes: the KV cache's peak (target and draft); with --kv-compare every smc-sd
   configuration also runs with per-particle KV copies (kv_cache "copy") and its shared-cache
   row gets paged_over_copy = its tokens/s / the copy twin's;
@@ -24,15 +24,34 @@ so CPU ratios show costs as measured; they are not GPU predictions (see gpu.py).
 
 Every configuration, ar and hf-generate included, runs in one dtype (`--dtype`, default float32;
 `auto` takes bfloat16 where the CPU multiplies bf16 natively); every row names it and the
-processor, and a run in another dtype than float32 writes its own results file.
+processor, and a run in another dtype than float32 writes its own results file. Every row samples
+at one temperature (`--temperature`, default 1; a draft LM drafts at it too), and a run at
+another temperature writes its own results file.
 
-Usage: python benchmarks/speed.py [--max-tokens 128] [--prompts 4] [--grid] [--draft self|distilled|feature|DIR] [--kv-compare]
-       [--static-compare] [--labels "ar,sd K=2,smc-sd K=4 N=4"] [--dtype float32|bfloat16|auto]
+Free drafts (`--draft free`; `smc_sd.program.FreeDraft`: continuations found in the prompt and
+the text so far, no model): the rows are ar, hf-generate, "sd free" (exact sd verifying the free
+draft, one target token where it proposes nothing) and "smc-sd N=4 free" (each particle extended
+by exact speculative sampling with the free draft). `--draft free+NAME` adds "sd K=k free+draft"
+rows: the free draft where it proposes, the draft NAME elsewhere. Every row also reports
+acceptance (drafted tokens accepted / verified: lookup tokens in a free row; None where no pass
+verifies drafted tokens one by one), proposing_pass_fraction (verify passes that checked at
+least one drafted token) and tokens_per_verify_pass (tokens after the first per target pass).
+
+Prompt sets (`--prompts-set`): "chat", open questions where little of the answer repeats the
+prompt, and "grounded", requests to summarise, rewrite or quote a given passage
+(benchmarks/prompts/grounded.json: invented passages of 60-150 words), where much of it does.
+A grounded run writes its own results file.
+
+Usage: python benchmarks/speed.py [--max-tokens 128] [--prompts 4] [--prompts-set chat|grounded] [--temperature 1] [--grid]
+       [--draft self|distilled|feature|DIR|free|free+NAME] [--kv-compare] [--static-compare]
+       [--labels "ar,sd K=2,smc-sd K=4 N=4"] [--dtype float32|bfloat16|auto]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import pathlib
 import time
 from dataclasses import asdict, dataclass, field, replace
 
@@ -56,6 +75,20 @@ PROMPTS = [
     "List some uses of a paper clip and explain each.",
 ]
 
+#: requests to summarise, rewrite or quote a passage: name, task, instruction, passage
+GROUNDED = pathlib.Path(__file__).resolve().parent / "prompts" / "grounded.json"
+
+
+def prompt_set(name: str) -> list[str]:
+    """The user messages of a prompt set: "chat" (PROMPTS) or "grounded" (each GROUNDED item's
+    instruction, a blank line, then its passage)."""
+    if name == "chat":
+        return list(PROMPTS)
+    return [f"{item['instruction']}\n\n{item['passage']}" for item in json.loads(GROUNDED.read_text())]
+
+
+PROMPT_SETS = ("chat", "grounded")
+
 
 @dataclass(frozen=True)
 class Config:
@@ -70,6 +103,8 @@ class Config:
     kv_cache: str = "paged"
     # static cache only: the fixed-shape step runs through torch.compile
     compile: bool = False
+    # the free draft proposes first (`FreeDraft()`); with draft_len 0 it proposes alone
+    free: bool = False
 
     @property
     def label(self) -> str:
@@ -79,6 +114,8 @@ class Config:
         if self.method == "smc-sd":
             parts.append(f"N={self.particles}")
         parts += [f"{k}={v}" for k, v in sorted(self.options.items())]
+        if self.free:
+            parts.append("free+draft" if self.draft_len else "free")
         if self.kv_cache != "paged":
             parts.append(f"kv={self.kv_cache}")
         if self.compile:
@@ -105,6 +142,21 @@ CONFIGS = [
 ]
 
 
+#: the rows of --draft free: the free draft alone under exact sd and under smc-sd
+FREE_CONFIGS = [
+    Config("ar"),
+    Config(HF_GENERATE),
+    Config("sd", free=True),
+    Config("smc-sd", particles=4, free=True),
+]
+
+
+def free_configs(with_lm: bool) -> list[Config]:
+    """FREE_CONFIGS, and with a draft LM (--draft free+NAME) exact sd with the free draft first
+    and the draft LM elsewhere at K = 1, 2, 3 (smc-sd takes the free draft alone)."""
+    return FREE_CONFIGS + ([Config("sd", draft_len=k, free=True) for k in (1, 2, 3)] if with_lm else [])
+
+
 def grid(particles=(1, 2, 4, 8, 16), draft_lens=(1, 2, 4, 8)) -> list[Config]:
     """ar, sd at every K and smc-sd at every (N, K)."""
     configs = [Config("ar"), Config(HF_GENERATE)] + [Config("sd", draft_len=k) for k in draft_lens]
@@ -125,9 +177,9 @@ def target_logprobs(target, prompt: list[int], tokens: list[int]) -> list[float]
     return logp.gather(-1, torch.tensor(tokens)[:, None])[:, 0].tolist()
 
 
-def hf_generate(target, prompt: list[int], max_tokens: int, seed: int) -> dict:
-    """The second anchor: transformers' own `generate`, sampling at T = 1 with no top-k or top-p
-    (the same distribution as ar), with its own dynamic KV cache."""
+def hf_generate(target, prompt: list[int], max_tokens: int, seed: int, temperature: float = 1.0) -> dict:
+    """The second anchor: transformers' own `generate`, sampling at `temperature` with no top-k
+    or top-p (the same distribution as ar), with its own dynamic KV cache."""
     import torch
 
     eos = target.vocabulary.eos_token_id
@@ -135,7 +187,7 @@ def hf_generate(target, prompt: list[int], max_tokens: int, seed: int) -> dict:
     started = time.perf_counter()
     with torch.inference_mode():
         out = target.model.generate(
-            torch.tensor([prompt]), do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
+            torch.tensor([prompt]), do_sample=True, temperature=temperature, top_k=0, top_p=1.0,
             max_new_tokens=max_tokens, pad_token_id=eos, eos_token_id=eos,
         )
     seconds = time.perf_counter() - started
@@ -143,16 +195,17 @@ def hf_generate(target, prompt: list[int], max_tokens: int, seed: int) -> dict:
     tokens = tokens[: tokens.index(eos) + 1] if eos in tokens else tokens
     return {
         "tokens": len(tokens), "seconds": seconds, "target_passes": len(tokens), "draft_passes": 0,
+        "proposed": 0, "accepted": 0, "proposing_passes": 0,
         "resamples": 0, "kv_peak_bytes": 0, "ess": [], "logprobs": target_logprobs(target, prompt, tokens),
     }
 
 
-def decode(config: Config, program, target, prompt: list[int], max_tokens: int, seed: int) -> dict:
+def decode(config: Config, program, target, prompt: list[int], max_tokens: int, seed: int, temperature: float = 1.0) -> dict:
     """Decode one prompt once with `program` (built for `config`); its counts and target log-probs."""
     from smc_sd import Schedule
 
     if config.method == HF_GENERATE:
-        return hf_generate(target, prompt, max_tokens, seed)
+        return hf_generate(target, prompt, max_tokens, seed, temperature)
 
     for lm in (target, program.proposal.lm if program.proposal is not None else None):
         if hasattr(lm, "kv_cache"):
@@ -163,6 +216,10 @@ def decode(config: Config, program, target, prompt: list[int], max_tokens: int, 
         "seconds": result.seconds,
         # +1: the prompt's own forward, which also yields the first token
         "target_passes": result.target_passes + 1,
+        # drafted tokens the passes verified and accepted (every particle's), passes that verified any
+        "proposed": sum(c.proposed or 0 for c in result.cycles),
+        "accepted": sum(c.accepted or 0 for c in result.cycles),
+        "proposing_passes": sum(bool(c.proposed) for c in result.cycles),
         "draft_passes": result.draft_passes,
         "resamples": result.resamples,
         "kv_peak_bytes": result.kv["peak_bytes"] if result.kv else 0,
@@ -171,8 +228,15 @@ def decode(config: Config, program, target, prompt: list[int], max_tokens: int, 
     }
 
 
-def measure(configs: list[Config], target, draft, prompts: list[list[int]], max_tokens: int, seed: int) -> list[dict]:
+def measure(
+    configs: list[Config], target, draft, prompts: list[list[int]], max_tokens: int, seed: int, temperature: float = 1.0
+) -> list[dict]:
     """Decode every prompt once with every configuration; sum tokens, seconds and passes per configuration.
+
+    Every configuration samples the target at `temperature`, and a draft LM drafts at it too.
+
+    A free configuration verifies `FreeDraft()` (its default settings), with `draft` where it
+    proposes nothing if its draft_len is nonzero, else with no draft LM.
 
     The configurations take turns prompt by prompt (prompt 1 with every configuration, then
     prompt 2, ...), so a change of load on the machine during the run hits them alike. Prompt i
@@ -180,34 +244,46 @@ def measure(configs: list[Config], target, draft, prompts: list[list[int]], max_
     all generated tokens of log p_T(x_t | x_<t) (T = 1), with its standard error; scored after
     timing, so it costs no measured time.
     """
+    from smc_sd.program import FreeDraft
+
     programs = []
     for config in configs:
         options = {"draft_len": config.draft_len, **config.options} if config.draft_len else dict(config.options)
-        programs.append(None if config.method == HF_GENERATE else build_program(config.method, target, draft, **options))
+        options = {"temperature": temperature, "draft_temperature": temperature, **options}
+        if config.free:
+            options["free_draft"] = FreeDraft()
+        lm = None if config.free and not config.draft_len else draft
+        programs.append(None if config.method == HF_GENERATE else build_program(config.method, target, lm, **options))
     # wall seconds of the untimed first decode of each compiled configuration, which compiles its
     # step shapes (those a configuration shares with an earlier one are compiled already)
     warmup = {}
     for config, program in zip(configs, programs):
         if config.compile:
             started = time.perf_counter()
-            decode(config, program, target, prompts[0], max_tokens, seed)
+            decode(config, program, target, prompts[0], max_tokens, seed, temperature)
             warmup[config.label] = time.perf_counter() - started
     runs = [[] for _ in configs]
     for i, prompt in enumerate(prompts):
         for config, program, done in zip(configs, programs, runs):
-            done.append(decode(config, program, target, prompt, max_tokens, seed + i))
+            done.append(decode(config, program, target, prompt, max_tokens, seed + i, temperature))
     rows = []
     for config, done in zip(configs, runs):
         tokens = sum(r["tokens"] for r in done)
         seconds = sum(r["seconds"] for r in done)
         mean_logprob, logprob_stderr = mean_stderr([lp for r in done for lp in r["logprobs"]])
+        passes, proposed = sum(r["target_passes"] for r in done), sum(r["proposed"] for r in done)
         rows.append({
             "label": config.label,
             **asdict(config),
             "tokens": tokens,
             "seconds": seconds,
             "tokens_per_second": tokens / seconds,
-            "target_passes_per_token": sum(r["target_passes"] for r in done) / tokens,
+            "target_passes_per_token": passes / tokens,
+            # the first token comes from the prompt's pass; every later pass verifies a block
+            "tokens_per_verify_pass": (tokens - len(done)) / max(1, passes - len(done)),
+            # drafted tokens accepted / verified (None: no pass verified a drafted token)
+            "acceptance": sum(r["accepted"] for r in done) / proposed if proposed else None,
+            "proposing_pass_fraction": sum(r["proposing_passes"] for r in done) / max(1, passes - len(done)),
             "draft_passes_per_token": sum(r["draft_passes"] for r in done) / tokens,
             "resamples": sum(r["resamples"] for r in done),
             "kv_peak_bytes": max(r["kv_peak_bytes"] for r in done),
@@ -233,21 +309,31 @@ def best(rows: list[dict], method: str, faithful: bool = False) -> dict | None:
     return max(candidates, key=lambda r: r["tokens_per_second"]) if candidates else None
 
 
-def results_name(draft: str | None, dtype: str = "float32") -> str:
+def results_name(draft: str | None, dtype: str = "float32", prompts_set: str = "chat", temperature: float = 1.0) -> str:
     """The results file's stem: "speed" with the default (self) draft, "speed_distilled" or
     "speed_feature" with the shipped distilled or feature draft, "speed_other" with a draft from
-    a directory; "_bfloat16" appended for a run in bfloat16."""
-    if draft in (None, "self"):
-        name = "speed"
+    a directory, "speed_free" with the free draft alone and "speed_free_self", "speed_free_distilled",
+    ... with free+NAME; then "_grounded" for the grounded prompts, "_T0.3" for a temperature
+    other than 1 and "_bfloat16" for bfloat16."""
+    from smc_sd.drafts import FREE, PACKAGE_DRAFTS, parse_draft
+
+    choice = parse_draft(draft)
+    lm = "self" if choice.lm is None else choice.lm if choice.lm in PACKAGE_DRAFTS else "other"
+    if choice.free:
+        name = f"speed_{FREE}_{lm}" if choice.has_lm else f"speed_{FREE}"
     else:
-        name = f"speed_{draft}" if draft in ("distilled", "feature") else "speed_other"
+        name = "speed" if lm == "self" else f"speed_{lm}"
+    if prompts_set != "chat":
+        name += f"_{prompts_set}"
+    if temperature != 1.0:
+        name += f"_T{temperature:g}"
     return name if dtype == "float32" else f"{name}_{dtype}"
 
 
 def plot(rows: list[dict], name: str) -> list[str]:
     plt = pyplot()
     labels = [r["label"] for r in rows]
-    colours = [{"ar": "grey", "sd": "tab:blue"}.get(r["method"], "tab:orange") for r in rows]
+    colours = ["tab:green" if r["free"] else {"ar": "grey", "sd": "tab:blue"}.get(r["method"], "tab:orange") for r in rows]
     fig, axes = plt.subplots(1, 2, figsize=(11, 0.45 * len(rows) + 1.8))
     axes[0].barh(labels, [r["tokens_per_second"] for r in rows], color=colours)
     axes[0].set_xlabel("tokens / second (returned text, wall clock)")
@@ -264,9 +350,21 @@ def plot(rows: list[dict], name: str) -> list[str]:
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--max-tokens", type=int, default=128, help="new tokens per prompt")
-    parser.add_argument("--prompts", type=int, default=len(PROMPTS), help=f"how many of the {len(PROMPTS)} prompts")
+    parser.add_argument("--prompts", type=int, default=None, help="how many of the set's prompts (default all)")
+    parser.add_argument(
+        "--prompts-set", choices=PROMPT_SETS, default="chat",
+        help="chat: open questions; grounded: summarise, rewrite or quote a given passage (benchmarks/prompts/grounded.json)",
+    )
     parser.add_argument("--grid", action="store_true", help="N in 1..16 x K in 1..8 instead of CONFIGS")
-    parser.add_argument("--draft", default=None, help=DRAFT_HELP + "; distilled: --backend hf only")
+    parser.add_argument(
+        "--draft", default=None,
+        help=DRAFT_HELP + "; distilled: --backend hf only; 'free' (no model: the rows ar, sd free, smc-sd N=4 free) "
+        "or 'free+NAME' (also sd K=1..3 with the free draft first and NAME elsewhere)",
+    )
+    parser.add_argument(
+        "--temperature", type=float, default=1.0,
+        help="T of every row (ar, hf-generate, the target and any draft LM); fidelity is scored at T = 1 regardless",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-write", action="store_true", help="print JSON only; write no files")
     parser.add_argument("--json", dest="no_write", action="store_true", help="the same as --no-write")
@@ -286,7 +384,20 @@ def main(argv=None) -> dict:
     add_dtype_argument(parser)
     args = parser.parse_args(argv)
 
-    from smc_sd.backends.hf import chat_prompt
+    from smc_sd.drafts import parse_draft
+
+    try:
+        choice = parse_draft(args.draft)
+    except ValueError as error:
+        parser.error(str(error))
+    if choice.free and (args.grid or args.backend == "vllm"):
+        parser.error("--draft free runs its own rows on --backend hf; it takes no --grid")
+    if not args.temperature > 0:
+        parser.error(f"--temperature must be > 0, got {args.temperature}")
+    if args.prompts is not None and args.prompts < 1:
+        parser.error(f"--prompts must be >= 1, got {args.prompts}")
+
+    from smc_sd.backends.hf import HFLanguageModel, chat_prompt
     from smc_sd.backends.precision import choose_precision
     from smc_sd.backends.static_hf import round_up
 
@@ -297,14 +408,16 @@ def main(argv=None) -> dict:
         options = VLLMOptions(dtype=precision.name)
         target = VLLMLanguageModel.default(options)
         draft = VLLMLanguageModel(args.draft, options) if args.draft not in (None, "self") else VLLMLanguageModel.self_draft(options)
+    elif choice.free and not choice.has_lm:
+        target, draft = HFLanguageModel.default(dtype=precision.dtype), None
     else:
-        target, draft = load_default_models(args.draft, precision.dtype)
-    prompts = [chat_prompt(target.tokenizer, p) for p in PROMPTS[: args.prompts]]
+        target, draft = load_default_models(choice.lm, precision.dtype)
+    prompts = [chat_prompt(target.tokenizer, p) for p in prompt_set(args.prompts_set)[: args.prompts]]
     # warm-up: the first forwards of a process are slower (allocations, kernel selection)
     build_program("ar", target, draft).run(prompts[0], __import__("smc_sd").Schedule(1, max_tokens=4))
 
     started = time.perf_counter()
-    configs = grid() if args.grid else CONFIGS
+    configs = free_configs(choice.has_lm) if choice.free else grid() if args.grid else CONFIGS
     if args.labels is not None:
         wanted = [label.strip() for label in args.labels.split(",")]
         unknown = sorted(set(wanted) - {c.label for c in configs})
@@ -314,14 +427,15 @@ def main(argv=None) -> dict:
     if args.backend == "vllm":
         configs = [c for c in configs if c.method != HF_GENERATE]
     if args.kv_compare and args.backend == "hf":
-        configs = configs + [replace(c, kv_cache="copy") for c in configs if c.method == "smc-sd"]
+        configs = configs + [replace(c, kv_cache="copy") for c in configs if c.method == "smc-sd" and not c.free]
     if args.static_compare and args.backend == "hf":
-        plain = [c for c in configs if c.kv_cache == "paged" and c.method != HF_GENERATE]
+        # free rows differ in length between particles: the paged cache only
+        plain = [c for c in configs if c.kv_cache == "paged" and c.method != HF_GENERATE and not c.free]
         configs = configs + [replace(c, kv_cache="static") for c in plain] + [replace(c, kv_cache="static", compile=True) for c in plain]
         # S positions per row: the longest prompt, the budget and one block of slack
-        for lm in (target, draft):
+        for lm in (lm for lm in (target, draft) if lm is not None):
             lm.static_length = round_up(max(map(len, prompts)) + args.max_tokens + 16)
-    rows = measure(configs, target, draft, prompts, args.max_tokens, args.seed)
+    rows = measure(configs, target, draft, prompts, args.max_tokens, args.seed, args.temperature)
     for copy in (r for r in rows if r["kv_cache"] == "copy"):
         twin = next(r for r in rows if r["label"] == copy["label"].removesuffix(" kv=copy"))
         twin["paged_over_copy"] = twin["tokens_per_second"] / copy["tokens_per_second"]
@@ -349,6 +463,9 @@ def main(argv=None) -> dict:
         "dtype": precision.name,
         "dtype_reason": precision.reason,
         "draft": describe_draft(args.draft),
+        "processor": env["processor"],
+        "prompts_set": args.prompts_set,
+        "temperature": args.temperature,
         "prompts": len(prompts),
         "max_tokens": args.max_tokens,
         "environment": env,
@@ -365,7 +482,7 @@ def main(argv=None) -> dict:
         },
         "rows": rows,
     }
-    name = results_name(args.draft, precision.name)
+    name = results_name(args.draft, precision.name, args.prompts_set, args.temperature)
     if not args.no_write:
         data["plots"] = plot(rows, name)
     emit(name, data, write=not args.no_write)
