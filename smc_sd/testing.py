@@ -37,6 +37,21 @@ def assert_logits_valid(logits: torch.Tensor, what: str = "logits") -> None:
         raise AssertionError(f"{what}: {int(empty.sum())} rows have no finite entry (no token can follow)")
 
 
+def extend_in_chunks(lm: LanguageModel, rows, continuation_rows: torch.Tensor) -> torch.Tensor:
+    """Append continuation_rows [B, T] to the rows in chunks of 1, 3 and the rest tokens,
+    checking each chunk's logits shape; the logits of every position, [B, T, V] float32."""
+    batch, steps = continuation_rows.shape
+    chunks, start = [], 0
+    for size in (1, 3, steps):
+        stop = min(start + size, steps)
+        if stop > start:
+            logits = rows.extend(continuation_rows[:, start:stop])
+            _assert_logits_shape(logits, (batch, stop - start, lm.vocabulary.size), "extend")
+            chunks.append(logits)
+        start = stop
+    return torch.cat(chunks, dim=1)
+
+
 def assert_extend_matches_full_forward(
     lm: LanguageModel, prompt: list[int], continuation_rows: torch.Tensor, atol: float
 ) -> None:
@@ -58,17 +73,8 @@ def assert_extend_matches_full_forward(
     continuation_rows = torch.as_tensor(continuation_rows, dtype=torch.long)
     batch, steps = continuation_rows.shape
     rows, _ = lm.open(prompt, batch)
-    chunks = []
-    start = 0
-    for size in (1, 3, steps):
-        stop = min(start + size, steps)
-        if stop > start:
-            logits = rows.extend(continuation_rows[:, start:stop])
-            _assert_logits_shape(logits, (batch, stop - start, lm.vocabulary.size), "extend")
-            chunks.append(logits)
-        start = stop
     # [B, T, V]
-    chunked = torch.cat(chunks, dim=1)
+    chunked = extend_in_chunks(lm, rows, continuation_rows)
     if rows.length != len(prompt) + steps:
         raise AssertionError(f"length is {rows.length} after extending, not {len(prompt) + steps}")
     for b in range(batch):
@@ -204,16 +210,8 @@ def assert_ragged_extend_matches_full_forward(
     continuation_rows = torch.as_tensor(continuation_rows, dtype=torch.long)
     batch, steps = continuation_rows.shape
     rows = open_ragged(lm, prompts, atol)
-    chunks, start = [], 0
-    for size in (1, 3, steps):
-        stop = min(start + size, steps)
-        if stop > start:
-            logits = rows.extend(continuation_rows[:, start:stop])
-            _assert_logits_shape(logits, (batch, stop - start, lm.vocabulary.size), "extend")
-            chunks.append(logits)
-        start = stop
     # [B, T, V]
-    chunked = torch.cat(chunks, dim=1)
+    chunked = extend_in_chunks(lm, rows, continuation_rows)
     if rows.lengths.tolist() != [len(p) + steps for p in prompts]:
         raise AssertionError(f"lengths are {rows.lengths.tolist()} after extending by {steps}")
     rows.close()

@@ -7,15 +7,17 @@ the constrained case spells forced bytes in several ways, so that the verify, no
 decides between tokenizations. TV tolerances come from `tv_tolerance` (failure 1e-6 when exact).
 """
 
+import math
+
 import pytest
 
-from smc_sd.backends.toy import ToyLM
 from smc_sd.engine.free_drafts import FreeDrafter
 from smc_sd.metrics import empirical, total_variation, tv_tolerance
 from smc_sd.program import FreeDraft, Schedule
 from smc_sd.program.grammars import Regex
 from smc_sd.program.potentials import as_token_constraint
-from smc_sd.programs import autoregressive, mask_at_verify, speculative
+from smc_sd.programs import autoregressive, mask_at_verify, smc_speculative, speculative
+from tests.test_constraints import MAX_TOKENS as LANGUAGE_TOKENS, in_language, language_constraint
 from tests.test_llguidance import WordLM
 from tests.toy_programs import target_and_draft
 
@@ -24,11 +26,11 @@ REPEATING_PROMPT = [0, 1, 2, 0, 1, 2, 0, 1, 0, 2]
 LOOKUP = FreeDraft(forced=False, min_match=1, max_len=3)
 
 
-def run_all(program, prompt, max_tokens, n):
+def run_all(program, prompt, schedule, n):
     """Completions of n seeded runs, and the draft tokens they proposed and accepted in all."""
     samples, proposed, accepted = [], 0, 0
     for seed in range(n):
-        result = program.run(prompt, Schedule(1, max_tokens=max_tokens), seed=seed)
+        result = program.run(prompt, schedule, seed=seed)
         samples.append(tuple(result.tokens))
         proposed += sum(c.proposed or 0 for c in result.cycles)
         accepted += sum(c.accepted or 0 for c in result.cycles)
@@ -40,7 +42,7 @@ def test_sd_with_a_lookup_draft_matches_the_target(with_lm):
     target, draft = target_and_draft(noise=2.0)
     max_tokens, n = 4, 5000
     program = speculative.program(target, draft if with_lm else None, draft_len=2, free_draft=LOOKUP)
-    samples, proposed, accepted = run_all(program, REPEATING_PROMPT, max_tokens, n)
+    samples, proposed, accepted = run_all(program, REPEATING_PROMPT, Schedule(1, max_tokens=max_tokens), n)
     # the lookup proposed on many runs, and the target rejected part of it
     assert proposed > n // 4 and 0 < accepted < proposed
     exact, _ = target.completion_distribution(REPEATING_PROMPT, max_tokens)
@@ -54,7 +56,7 @@ def test_mask_at_verify_with_forced_tokens_matches_the_local_projection(temperat
     constraint = Regex(r"(\(\))+")
     max_tokens, n = 4, 5000
     program = mask_at_verify.program(lm, None, constraints=(constraint,), temperature=temperature, free_draft=FreeDraft(min_match=1, max_len=3))
-    samples, proposed, accepted = run_all(program, [0], max_tokens, n)
+    samples, proposed, accepted = run_all(program, [0], Schedule(1, max_tokens=max_tokens), n)
     assert proposed > n // 4 and 0 < accepted < proposed
     exact, _ = lm.completion_distribution([0], max_tokens, temperature, constraint=as_token_constraint(constraint, lm), local=True)
     # the non-canonical spelling of the forced pair keeps its mass
@@ -96,7 +98,7 @@ def test_constrained_ar_samples_the_local_projection():
     lm = WordLM(["(", ")", "()", "(("], seed=2)
     constraint = Regex(r"(\(\))+")
     max_tokens, n = 4, 5000
-    samples, _, _ = run_all(autoregressive.program(lm, constraints=(constraint,)), [0], max_tokens, n)
+    samples, _, _ = run_all(autoregressive.program(lm, constraints=(constraint,)), [0], Schedule(1, max_tokens=max_tokens), n)
     exact, _ = lm.completion_distribution([0], max_tokens, constraint=as_token_constraint(constraint, lm), local=True)
     assert total_variation(empirical(samples), exact) < tv_tolerance(exact, n)
 
@@ -104,8 +106,6 @@ def test_constrained_ar_samples_the_local_projection():
 # SMC-SD with a free draft: each particle is extended by exact speculative sampling of the locally
 # masked target and weighted by the local normalisers; the language is the one of
 # tests/test_constraints.py, where the local projection and the conditional differ (TV > 0.5)
-from smc_sd.programs import smc_speculative  # noqa: E402
-from tests.test_constraints import MAX_TOKENS as LANGUAGE_TOKENS, in_language, language_constraint  # noqa: E402
 
 #: a prompt spelling the language's words, so that lookup proposes inside them
 WORDS_PROMPT = [1, 2, 2, 1, 2, 1, 2, 2, 0]
@@ -115,20 +115,10 @@ def test_smc_sd_with_a_free_draft_and_no_constraint_samples_the_target():
     target, _ = target_and_draft(noise=2.0)
     max_tokens, n = 4, 4000
     program = smc_speculative.program(target, None, free_draft=LOOKUP)
-    samples, proposed, accepted = run_all_smc(program, REPEATING_PROMPT, Schedule(2, max_tokens=max_tokens), n)
+    samples, proposed, accepted = run_all(program, REPEATING_PROMPT, Schedule(2, max_tokens=max_tokens), n)
     assert proposed > n // 4 and 0 < accepted < proposed
     exact, _ = target.completion_distribution(REPEATING_PROMPT, max_tokens)
     assert total_variation(empirical(samples), exact) < tv_tolerance(exact, n)
-
-
-def run_all_smc(program, prompt, schedule, n):
-    samples, proposed, accepted = [], 0, 0
-    for seed in range(n):
-        result = program.run(prompt, schedule, seed=seed)
-        samples.append(tuple(result.tokens))
-        proposed += sum(c.proposed or 0 for c in result.cycles)
-        accepted += sum(c.accepted or 0 for c in result.cycles)
-    return samples, proposed, accepted
 
 
 def test_smc_sd_with_a_free_draft_converges_to_the_conditional():
@@ -141,7 +131,7 @@ def test_smc_sd_with_a_free_draft_converges_to_the_conditional():
     program = smc_speculative.program(target, None, constraints=(constraint,), free_draft=LOOKUP)
     samples = {}
     for n in (1, 16):
-        samples[n], proposed, _ = run_all_smc(program, WORDS_PROMPT, Schedule(n, max_tokens=LANGUAGE_TOKENS), runs)
+        samples[n], proposed, _ = run_all(program, WORDS_PROMPT, Schedule(n, max_tokens=LANGUAGE_TOKENS), runs)
         assert proposed > 0
     assert all(in_language(x) for xs in samples.values() for x in xs)
     tolerance = tv_tolerance(exact, runs)
@@ -153,8 +143,6 @@ def test_smc_sd_with_a_free_draft_converges_to_the_conditional():
 
 @pytest.mark.parametrize("ess_threshold", [1.0, 0.5])
 def test_smc_sd_with_a_free_draft_has_an_unbiased_z_hat(ess_threshold):
-    import math
-
     target, _ = target_and_draft(noise=1.0)
     constraint = language_constraint()
     _, log_z = target.completion_distribution(WORDS_PROMPT, LANGUAGE_TOKENS, constraint=constraint)
