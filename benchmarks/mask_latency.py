@@ -97,15 +97,18 @@ def target_pass(target, prompt: list[int]):
 
 
 def one_row(answer: list[int]) -> list[list[list[int]]]:
+    """The calls of "1 row": each prefix of the answer alone."""
     return [[answer[:t]] for t in range(len(answer) + 1)]
 
 
 def four_rows(answers_of_item: list[list[int]]) -> list[list[list[int]]]:
+    """The calls of "4 rows": the prefixes of length t of every answer that long, together."""
     longest = max(len(a) for a in answers_of_item)
     return [[a[:t] for a in answers_of_item if t <= len(a)] for t in range(longest + 1)]
 
 
 def block_rows(answer: list[int]) -> list[list[list[int]]]:
+    """The calls of "block": BLOCK consecutive prefixes of the answer per call."""
     return [[answer[: t + j] for j in range(BLOCK) if t + j <= len(answer)] for t in range(0, len(answer) + 1, BLOCK)]
 
 
@@ -113,7 +116,6 @@ def fill_floor(target, schema, answer: list[int], between=None) -> list[float]:
     """Seconds of llguidance's fill of one row at each position, the matcher advanced in place."""
     import llguidance
     import llguidance.torch
-    import torch
 
     from smc_sd.program.grammars import JsonSchema
     from smc_sd.program.llguidance_masks import lm_tokenizer, without_forcing
