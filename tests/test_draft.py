@@ -14,7 +14,6 @@ from smc_sd.models.draft import DRAFT_DIR, GROUP, dequantize_int8, is_draft_dir,
 
 pytestmark = pytest.mark.model
 
-ATOL = 1e-4
 HELDOUT = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "prompts" / "heldout.txt"
 # Mean 1 - TV over 2 held-out prompts x 16 target-sampled positions. The shipped draft measures
 # 0.385 here (its forward-KL-only predecessor 0.372); the 3-layer, 8192-token draft before that
@@ -73,9 +72,10 @@ def test_draft_obeys_the_laws(distilled_draft, prompt):
     reply = distilled_draft.tokenizer.encode("The lighthouse keeper lit the lamp at dusk.")
     # [2, 6] natural text, the second row shifted by one token so rows differ
     rows = torch.tensor([reply[:6], reply[1:7]])
-    testing.assert_extend_matches_full_forward(distilled_draft, prompt, rows[:1], ATOL)
-    testing.assert_select_consistent(distilled_draft, prompt, rows, torch.tensor([1, 0, 1]), ATOL)
-    testing.assert_truncate_consistent(distilled_draft, prompt, rows, 2, ATOL)
+    atol = testing.float32_logit_tolerance(distilled_draft.model, [prompt + row for row in rows.tolist()])
+    testing.assert_extend_matches_full_forward(distilled_draft, prompt, rows[:1], atol)
+    testing.assert_select_consistent(distilled_draft, prompt, rows, torch.tensor([1, 0, 1]), atol)
+    testing.assert_truncate_consistent(distilled_draft, prompt, rows, 2, atol)
 
 
 @pytest.mark.parametrize("temperature", [0.5, 1.0, 10.0])

@@ -94,11 +94,13 @@ def test_backends_with_rows_of_one_length_refuse_ragged_rows_by_name(kv_cache):
 def test_default_model_ragged_rows_match_fresh_forwards_within_float_noise(default_lm):
     from smc_sd.backends.hf import HFLanguageModel, chat_prompt
 
-    # its own pool with small blocks; fp32 batching noise on natural text is up to about 5e-5
+    # its own pool with small blocks
     lm = HFLanguageModel(default_lm.model, default_lm.tokenizer, block_size=4)
     tokenizer = default_lm.tokenizer
     prompts = [chat_prompt(tokenizer, q) for q in ("Why is the sky blue?", "Name a painter.", "How do bees make honey, and why?")]
     words = tokenizer.encode(" The light of the evening sun fell on the old stone bridge", add_special_tokens=False)
     c = torch.tensor([words[0:5], words[3:8], words[6:11]])
-    testing.assert_ragged_extend_matches_full_forward(lm, prompts, c, atol=1e-4)
-    testing.assert_join_many_consistent(lm, prompts, [2, 1, 2], torch.cat([c[:1], c, c[2:]]), atol=1e-4)
+    # float32 noise of this processor on these rows (fresh float32 against float64), not a constant
+    atol = testing.float32_logit_tolerance(default_lm.model, [p + row for p, row in zip(prompts, c.tolist())])
+    testing.assert_ragged_extend_matches_full_forward(lm, prompts, c, atol=atol)
+    testing.assert_join_many_consistent(lm, prompts, [2, 1, 2], torch.cat([c[:1], c, c[2:]]), atol=atol)

@@ -161,8 +161,9 @@ def test_backend_laws_hold_on_the_default_model(default_lm):
     static = HFLanguageModel(default_lm.model, default_lm.tokenizer, kv_cache="static", static_length=64)
     words = default_lm.tokenizer.encode("The lighthouse keeper climbed the stairs every evening and lit the lamp.", add_special_tokens=False)
     continuation = torch.tensor([words[6:12], words[7:13]])
-    testing.assert_select_consistent(static, words[:6], continuation, torch.tensor([1, 1, 0]), ATOL)
-    testing.assert_truncate_consistent(static, words[:6], continuation, 3, ATOL)
+    atol = testing.float32_logit_tolerance(default_lm.model, [words[:13]])
+    testing.assert_select_consistent(static, words[:6], continuation, torch.tensor([1, 1, 0]), atol)
+    testing.assert_truncate_consistent(static, words[:6], continuation, 3, atol)
 
 
 BLOCK_OPTIONAL_PACKAGES = """
