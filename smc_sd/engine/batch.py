@@ -11,14 +11,18 @@ free slots of the `SlotTable`. One cycle (`step`):
    (block pointers, not KV), every row rolled back to its canonical length;
 3. the draft reads the last two tokens of every prefix, then proposes in K_max passes of
    [B_d, 1] tokens, K_max the largest K running; request g draws at the first K_g of them;
-4. the target reads [last token, drafted block, EOS filler up to K_max] of every row in ONE pass;
+4. the target reads [last token, block, EOS filler up to the widest block] of every row in ONE
+   pass; a block is K drafted tokens, or a free draft's proposal (`Group.target_width`: rows
+   read blocks of different lengths and keep what their verification accepted);
 5. each request verifies its slice of the logits with its own generator (`Group.verify`):
    weights, ESS, resampling among its own particles and log Z_hat, or accept/reject; requests
    that are done deliver their Result and leave, freeing their slots.
 
 Row invariant between cycles: the target's rows are, request after request in running order,
-its unfinished particles in particle order, each holding prompt + generated[:-1]; the draft's
-rows are the same for the requests with a draft, holding prompt + generated[:-2]. Together with
+its seated particles (`Group.seats`: its unfinished ones in particle order; under a free draft,
+particles holding equal tokens share one row), each holding prompt + generated[:-1] at its own
+length (`SlotTable.length`); the draft's rows are the same for the requests with a draft,
+holding prompt + generated[:-2]. Together with
 the backends' laws for rows of different lengths, this makes a request's law independent of
 the batch: it draws what `Program.run` draws, in the same order, from logits equal to its own.
 
@@ -41,6 +45,7 @@ from typing import Callable
 import torch
 
 from smc_sd.backends.base import LanguageModel, check_same_vocabulary
+from smc_sd.engine.free_groups import FreeImportanceGroup
 from smc_sd.engine.groups import Group, ImportanceGroup, SpeculativeGroup
 from smc_sd.engine.requests import Event, Handle, QueueFullError, Request
 from smc_sd.engine.result import Result, kv_memory
@@ -196,7 +201,7 @@ class BatchEngine:
             totals["accepted_total"] += group.accepted
             totals["drafted_total"] += group.drafted
             totals["resamples_total"] += sum(c.resampled for c in group.cycles)
-            if isinstance(group, ImportanceGroup) and group.cycles:
+            if group.plan.verification == "importance" and group.cycles:
                 ess.append(group.cycles[-1].ess / group.plan.particles)
         blocks = 0
         for rows in (self.target_rows, self.draft_rows):
@@ -220,9 +225,10 @@ class BatchEngine:
             raise ValueError("the prompt is empty; give at least one token")
         if program.target.lm is not self.target:
             raise ValueError("the request's target model is not the engine's target")
-        if program.proposal is not None and getattr(program.proposal, "free", None) is not None:
-            raise ValueError("free drafts do not run in the batched engine yet; use Program.run")
-        if program.proposal is not None and program.proposal.lm is not self.draft:
+        proposal = program.proposal
+        if proposal is not None and proposal.free is not None and proposal.lm is not None:
+            raise ValueError("a free draft beside a draft model (free+NAME) does not run in the batched engine yet; use the free draft alone or Program.run")
+        if proposal is not None and proposal.lm is not None and proposal.lm is not self.draft:
             raise ValueError("the request's draft model is not the engine's draft")
         if schedule.particles > self.table.max_slots:
             raise ValueError(f"{schedule.particles} particles exceed the engine's {self.table.max_slots} particle slots")
@@ -257,7 +263,7 @@ class BatchEngine:
             if entry.handle.cancelled:
                 self._leave(entry, None, CancelledError("the request was cancelled"))
                 continue
-            kind = ImportanceGroup if entry.plan.verification == "importance" else SpeculativeGroup
+            kind = group_kind(entry.plan)
             try:
                 entry.group = kind(entry.request, entry.plan, self.table)
             except Exception as error:
@@ -297,7 +303,7 @@ class BatchEngine:
         eos = self.target.vocabulary.eos_token_id
         groups = [e.group for e in entries]
         # [A_g] rows of every request, read before anything moves them
-        target_rows = [self.table.target_row[g.live()] for g in groups]
+        target_rows = [self.table.target_row[g.seats()[1]] for g in groups]
         draft_rows = [self.table.draft_row[g.live()] if g.has_draft else None for g in groups]
         healthy = [self._attempt(e, g.prepare) for e, g in zip(entries, groups)]
         k_max = max((g.draft_len for g in groups if g.has_draft), default=0)
@@ -314,18 +320,19 @@ class BatchEngine:
                 for i, (e, g, rows) in enumerate(zip(entries, groups, draft_rows)):
                     if healthy[i] and rows is not None and j < g.draft_len:
                         healthy[i] = self._attempt(e, self._draw, g, logits, rows, feed)
-        width = 1 + max(g.draft_len for g in groups)
-        # [B_t, K_max + 1]: last token, drafted block, EOS filler (all filler on failed requests)
+        widths = [g.target_width() if ok else 1 for g, ok in zip(groups, healthy)]
+        width = max(widths)
+        # [B_t, width]: last token, drafted block, EOS filler (all filler on failed requests)
         feed = torch.full((self.target_rows.size, width), eos, dtype=torch.int64)
         for g, ok, rows in zip(groups, healthy, target_rows):
             if ok:
                 feed[rows] = g.target_feed(width)
-        # [B_t, K_max + 1, V]: ONE target pass over every request's rows
+        # [B_t, width, V]: ONE target pass over every request's rows
         logits = self.target_rows.extend(feed)
         self._totals["target_passes_total"] += 1
         for i, (e, g, rows) in enumerate(zip(entries, groups, target_rows)):
             if healthy[i]:
-                healthy[i] = self._attempt(e, g.verify, logits[rows, : g.draft_len + 1])
+                healthy[i] = self._attempt(e, g.verify, logits[rows, : widths[i]])
         for e, ok in zip(entries, healthy):
             if ok:
                 self._finish_or_report(e)
@@ -412,6 +419,14 @@ class BatchEngine:
         for rows in (self.target_rows, self.draft_rows):
             if rows is not None:
                 rows.close()
+
+
+def group_kind(plan) -> type[Group]:
+    """The group that runs a plan: SMC-SD (with an LM draft or the target's), SMC-SD with a
+    free draft, or accept/reject (exact sd and mask-at-verify, either draft)."""
+    if plan.verification != "importance":
+        return SpeculativeGroup
+    return ImportanceGroup if plan.free is None else FreeImportanceGroup
 
 
 def run_many(program, prompts: list[list[int]], schedule, seeds: list[int] | None = None, max_running: int = 32) -> list[Result]:

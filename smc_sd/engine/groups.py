@@ -27,12 +27,13 @@ from dataclasses import replace
 
 import torch
 
-from smc_sd.engine.drafting import BlockDrafter, block_masks, first_token_mask, trim_at_eos
+from smc_sd.engine.drafting import BlockDrafter, DraftBlock, block_masks, first_token_mask, trim_at_eos
+from smc_sd.engine.free_drafts import FreeDrafter
 from smc_sd.engine.resampling import effective_sample_size, log_mean_weight, resample
 from smc_sd.engine.result import AllParticlesDiedError, CycleStats, Result, mask_stats
 from smc_sd.engine.slots import SlotTable
 from smc_sd.engine.smc import advance, conclude, cycle_masks, first_particles, rescore_block_end, verify_block
-from smc_sd.engine.speculative import first_token, verify_drafts
+from smc_sd.engine.speculative import empty_block, first_token, free_block, verify_drafts
 
 
 def first_stop(decode, prefix: list[int], new: list[int], stops: tuple[str, ...]) -> int | None:
@@ -73,6 +74,8 @@ class Group:
         self.log_z = 0.0
         #: generated tokens over every particle, draft tokens accepted and proposed (exact sd)
         self.tokens_out = self.accepted = self.drafted = 0
+        #: passes of the draft LM this request drew from
+        self.draft_passes = 0
 
     @property
     def draft_len(self) -> int:
@@ -86,13 +89,20 @@ class Group:
         """[A] int64 slots of the unfinished particles, in particle order (the rows' order)."""
         return self.slots[~self.table.finished[self.slots]]
 
-    def target_length(self) -> int:
-        """Tokens a target row holds between cycles: the prompt and all but the last generated."""
-        return len(self.prompt) + self.generated - 1
+    def seats(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The particles that hold rows and the rows they hold, as offsets into the group's own.
 
-    def draft_length(self) -> int:
-        """Tokens a draft row holds between cycles: the prompt and all but the last two generated."""
-        return len(self.prompt) + self.generated - 2
+        Returns:
+            (live, seated, seat_of): [A] int64 slots of the particles that hold rows, in
+            particle order; [U] int64 slots whose rows are computed (here every live one); [A]
+            int64 for each live slot the index into `seated` of the row it holds.
+        """
+        live = self.live()
+        return live, live, torch.arange(live.numel())
+
+    def target_width(self) -> int:
+        """Tokens each of the group's target rows reads this cycle: the last token and the block."""
+        return self.draft_len + 1
 
     def draft_feed(self) -> torch.Tensor:
         """[A, 2] int64: the last two tokens of each unfinished particle's prompt + tokens."""
@@ -115,10 +125,11 @@ class Group:
     def particle_tokens(self) -> list[list[int]]:
         """Every particle's generated tokens, each ending at its EOS (a stopped one at its stop)."""
         rows = self.table.tokens[self.slots, : self.generated].tolist()
+        lengths = self.table.length[self.slots].tolist()
         stopped = self.table.stopped[self.slots].tolist()
         out = []
-        for row, stop in zip(rows, stopped):
-            row = trim_at_eos(row, self.eos)
+        for row, length, stop in zip(rows, lengths, stopped):
+            row = trim_at_eos(row[:length], self.eos)
             # a stopped particle's EOS is filler, not generated
             out.append(row[:-1] if stop and row and row[-1] == self.eos else row)
         return out
@@ -147,7 +158,7 @@ class Group:
             chosen=chosen,
             cycles=self.cycles,
             target_passes=len(self.cycles),
-            draft_passes=plan.draft_len * len(self.cycles),
+            draft_passes=self.draft_passes,
             seconds=time.perf_counter() - self.started,
             decode=plan.target.decode,
             kv=kv,
@@ -222,6 +233,7 @@ class ImportanceGroup(Group):
         target_rows = table.target_row[slots].masked_fill(advanced.finished, -1)
         draft_rows = table.draft_row[slots].masked_fill(advanced.finished, -1)
         self.tokens_out += rows * tokens_this_cycle
+        self.draft_passes += k
         ess = effective_sample_size(advanced.logw)
         if ess == 0.0:
             self.cycles.append(CycleStats(ess, False, -math.inf, tokens_this_cycle, n, rows=rows))
@@ -278,7 +290,17 @@ class ImportanceGroup(Group):
 
 class SpeculativeGroup(Group):
     """A request of an accept/reject plan (exact speculative decoding, mask-at-verify): one
-    sequence, as `smc_sd.engine.speculative.run_speculative` runs it."""
+    sequence, as `smc_sd.engine.speculative.run_speculative` runs it. With a free draft, a cycle
+    whose free draft proposes verifies that proposal (a point mass); any other cycle drafts K
+    tokens from the draft LM, or with no draft LM verifies nothing (one target token)."""
+
+    def __init__(self, request, plan, table: SlotTable):
+        super().__init__(request, plan, table)
+        self.free_drafter = FreeDrafter(plan.free, self.prompt, plan.masker) if plan.free is not None else None
+        #: the cycle's block when it is not the draft LM's: the free draft's, or an empty one
+        self.fixed_block: DraftBlock | None = None
+        #: leading tokens of the free draft's block that the constraints force
+        self.forced = 0
 
     def begin(self, first_logits: torch.Tensor, target_base: int, draft_base: int) -> None:
         """Draw the first token; the sequence's rows are the ones just joined.
@@ -306,30 +328,57 @@ class SpeculativeGroup(Group):
         return self.finished or self.generated >= self.plan.max_tokens
 
     def prepare(self) -> None:
-        """The cycle's masks and draft sampler."""
-        masker = self.plan.masker
-        self.mask_at = None if masker is None else block_masks(masker, [self.tokens], torch.ones(1, dtype=torch.bool), self.eos)
-        self.drafter = BlockDrafter(1, self.plan.draft_temperature, self.generator, self.mask_at)
+        """The cycle's block source and masks: the free draft's proposal where it proposes,
+        else the draft LM's sampler (or an empty block without one)."""
+        plan = self.plan
+        free = free_block(plan, self.free_drafter, self.tokens) if self.free_drafter is not None else None
+        if free is not None:
+            self.fixed_block, self.mask_at, self.forced = free
+            return
+        self.mask_at = None if plan.masker is None else block_masks(plan.masker, [self.tokens], torch.ones(1, dtype=torch.bool), self.eos)
+        self.fixed_block = None if self.has_draft else empty_block(plan.target.vocabulary.size, constrained=self.mask_at is not None)
+        self.drafter = BlockDrafter(1, plan.draft_temperature, self.generator, self.mask_at)
+
+    @property
+    def draft_len(self) -> int:
+        """K this cycle: the draft LM's (it drafts only when no fixed block stands)."""
+        return 0 if self.fixed_block is not None else self.plan.draft_len
+
+    def target_width(self) -> int:
+        return 1 + (self.fixed_block.tokens.shape[1] if self.fixed_block is not None else self.plan.draft_len)
+
+    def target_feed(self, width: int) -> torch.Tensor:
+        """[1, width] int64: the last token, the cycle's block, then EOS filler."""
+        if self.fixed_block is None:
+            return super().target_feed(width)
+        block = self.fixed_block.tokens
+        filler = torch.full((1, width - 1 - block.shape[1]), self.eos, dtype=torch.int64)
+        return torch.cat([self.table.tokens[self.slots[:1], self.generated - 1 : self.generated], block, filler], 1)
 
     def verify(self, target_logits: torch.Tensor) -> None:
         """The accept/reject step of one cycle (`run_speculative`'s loop body).
 
         Args:
-            target_logits: [1, K + 1, V] float32, the target's logits over this sequence's row.
+            target_logits: [1, m + 1, V] float32, the target's logits over this sequence's row
+                (m the cycle's block length).
 
         Raises:
             AllParticlesDiedError: when the constraints leave the sequence no token.
         """
         plan = self.plan
         budget = plan.max_tokens - self.generated
-        draft = self.drafter.block(target_logits.shape[-1])
+        draft = self.fixed_block if self.fixed_block is not None else self.drafter.block(target_logits.shape[-1])
         accepted, emitted, dead = verify_drafts(plan, draft, target_logits[0], self.mask_at, self.generator, budget)
         if dead:
             raise AllParticlesDiedError("the constraints left the sequence no token of nonzero probability", self.result(None))
+        proposed = draft.tokens.shape[1]
+        if self.fixed_block is not None and proposed:
+            self.free_drafter.record(proposed - self.forced, max(0, accepted - self.forced))
         new = trim_at_eos(draft.tokens[0, :accepted].tolist() + [emitted], self.eos)[:budget]
         self.accepted += accepted
-        self.drafted += plan.draft_len
-        self.cycles.append(CycleStats(1.0, False, 0.0, self._append(new), 1, accepted=accepted, proposed=draft.tokens.shape[1]))
+        self.drafted += proposed
+        self.draft_passes += self.draft_len
+        self.cycles.append(CycleStats(1.0, False, 0.0, self._append(new), 1, accepted=accepted, proposed=proposed))
 
     def result(self, kv: dict | None) -> Result:
         tokens, masker = self.tokens, self.plan.masker
@@ -346,6 +395,7 @@ class SpeculativeGroup(Group):
         start = self.generated
         self.table.tokens[slot, start : start + len(new)] = torch.tensor(new, dtype=torch.int64)
         self.generated += len(new)
+        self.table.length[slot] = self.generated
         self.tokens_out += len(new)
         self.table.stopped[slot] = column is not None
         self.table.finished[slot] = column is not None or self.eos in new

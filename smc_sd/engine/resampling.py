@@ -118,3 +118,21 @@ def resample(logw: torch.Tensor, generator: torch.Generator, scheme: str = "syst
 def log_mean_weight(logw: torch.Tensor) -> float:
     """log (1/N) sum_i exp(logw_i): the factor a resampling step contributes to log Z_hat."""
     return float(torch.logsumexp(logw.double(), 0)) - math.log(logw.numel())
+
+
+def resample_on_ess(logw: torch.Tensor, threshold: float, generator: torch.Generator, scheme: str = "systematic") -> tuple[float, torch.Tensor | None, float]:
+    """One cycle's resampling decision: resample when ESS < threshold · N.
+
+    Args:
+        logw: [N] float64 log weights relative to the last resampling, at least one finite.
+        threshold: tau in [0, 1].
+
+    Returns:
+        (ess, ancestors, log_z_step): when resampling, the [N] int64 ancestors and the log Z_hat
+        increment logsumexp(logw) - log N (after which every log weight restarts at 0); else
+        (ess, None, 0.0).
+    """
+    ess = effective_sample_size(logw)
+    if ess >= threshold * logw.numel():
+        return ess, None, 0.0
+    return ess, resample(logw, generator, scheme), log_mean_weight(logw)

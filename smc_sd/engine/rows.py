@@ -123,9 +123,11 @@ def join_groups(target_rows: RowSet, draft_rows: RowSet | None, groups: list) ->
 
 
 def reseat_groups(table, target_rows: RowSet, draft_rows: RowSet | None, groups: list) -> None:
-    """Make the rows, group after group, those of each group's unfinished particles in particle
-    order, a target row holding its prompt and generated tokens but the last, a draft row all
-    but the last two; renumber the table's `target_row` and `draft_row` to match.
+    """Make the rows, group after group, those of each group's seated particles (`Group.seats`:
+    its unfinished particles in particle order, copies holding equal tokens sharing one row), a
+    target row holding its prompt and generated tokens but the last, a draft row all but the
+    last two (lengths per slot, `SlotTable.length`); renumber the table's `target_row` and
+    `draft_row` to match.
 
     Args:
         table: the engine's `SlotTable`; its rows name each particle's row now held.
@@ -135,17 +137,17 @@ def reseat_groups(table, target_rows: RowSet, draft_rows: RowSet | None, groups:
     lengths = {"target": [], "draft": []}
     offsets = {"target": 0, "draft": 0}
     for group in groups:
-        live = group.live()
-        for name, row_of, length, used in (
-            ("target", table.target_row, group.target_length(), True),
-            ("draft", table.draft_row, group.draft_length(), group.has_draft),
+        live, seated, seat_of = group.seats()
+        for name, row_of, behind, used in (
+            ("target", table.target_row, 1, True),
+            ("draft", table.draft_row, 2, group.has_draft),
         ):
             if not used:
                 continue
-            sources[name].append(row_of[live])
-            lengths[name].append(torch.full((live.numel(),), length, dtype=torch.int64))
-            row_of[live] = torch.arange(offsets[name], offsets[name] + live.numel())
-            offsets[name] += live.numel()
+            sources[name].append(row_of[seated])
+            lengths[name].append(len(group.prompt) + table.length[seated] - behind)
+            row_of[live] = offsets[name] + seat_of
+            offsets[name] += seated.numel()
     empty = torch.empty(0, dtype=torch.int64)
     for name, rows in (("target", target_rows), ("draft", draft_rows)):
         if rows is not None:

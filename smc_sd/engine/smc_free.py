@@ -29,12 +29,13 @@ from __future__ import annotations
 
 import math
 import time
+from dataclasses import dataclass
 
 import torch
 
 from smc_sd.engine.drafting import first_token_mask, trim_at_eos
 from smc_sd.engine.free_drafts import FreeDrafter, allowed_prefix, point_mass_rows
-from smc_sd.engine.resampling import effective_sample_size, log_mean_weight, normalised_weights, resample
+from smc_sd.engine.resampling import log_mean_weight, normalised_weights, resample_on_ess
 from smc_sd.engine.result import AllParticlesDiedError, CycleStats, Result, kv_memory, mask_stats
 from smc_sd.engine.sampling import sample_tokens, tempered_logprobs
 from smc_sd.engine.speculative import accept_or_resample
@@ -125,6 +126,93 @@ def distinct_rows(tokens: list[list[int]], running: list[int]) -> tuple[list[int
     return distinct, copy_of
 
 
+def running_particles(plan, tokens: list[list[int]], logw: torch.Tensor, ended: list[bool] | None = None) -> list[int]:
+    """The particles a cycle extends: not ended (EOS, or a stop string when `ended` says so),
+    below the budget, of nonzero weight."""
+    eos = plan.target.vocabulary.eos_token_id
+    return [
+        i for i, row in enumerate(tokens)
+        if eos not in row and len(row) < plan.max_tokens and math.isfinite(logw[i]) and not (ended and ended[i])
+    ]
+
+
+@dataclass
+class CycleProposals:
+    """One cycle's free-draft proposals: particles holding equal tokens (copies made by
+    resampling) get the same proposal and the same logits, so one row computes them.
+
+    Attributes:
+        running: the particles extended, in particle order.
+        distinct, copy_of: `distinct_rows` of them.
+        drafted: per distinct row its proposal d.
+        masks: per distinct row [len(d) + 1, V] bool masks, or None.
+    """
+
+    running: list[int]
+    distinct: list[int]
+    copy_of: list[int]
+    drafted: list[list[int]]
+    masks: list
+
+    @property
+    def width(self) -> int:
+        """Tokens every computed row reads: the unseen last token and the longest proposal."""
+        return 1 + max(len(d) for d in self.drafted)
+
+    def feed(self, tokens: list[list[int]], eos: int) -> torch.Tensor:
+        """[U, width] int64: each distinct row's unseen last token, its proposal, then EOS filler."""
+        width = self.width
+        return torch.tensor([[tokens[self.running[r]][-1]] + d + [eos] * (width - 1 - len(d)) for r, d in zip(self.distinct, self.drafted)])
+
+    @property
+    def proposed(self) -> int:
+        """Proposed tokens over every running particle (copies count theirs)."""
+        return sum(len(self.drafted[u]) for u in self.copy_of)
+
+
+def propose_distinct(plan, drafter: FreeDrafter, tokens: list[list[int]], running: list[int]) -> CycleProposals:
+    """The free draft's proposals of one cycle, one per distinct running particle."""
+    distinct, copy_of = distinct_rows(tokens, running)
+    drafted, masks = proposals(plan, drafter, tokens, [running[r] for r in distinct])
+    return CycleProposals(running, distinct, copy_of, drafted, masks)
+
+
+def extend_running(plan, drafter: FreeDrafter, cycle: CycleProposals, logits: torch.Tensor, tokens: list[list[int]], logw: torch.Tensor, generator, stop_at=None) -> tuple[list[int], list[int], list[bool]]:
+    """Extend every running particle by its exact speculative step on q_loc, in particle order,
+    and add its log Z terms to its weight (module docstring); the lookup adapts to each block.
+
+    Args:
+        cycle: the cycle's proposals.
+        logits: [U, width, V] float32 target logits of the distinct rows (`CycleProposals.feed`).
+        tokens: every particle's tokens, extended in place.
+        logw: [N] float64 log weights, updated in place.
+        stop_at: (prefix, new tokens) -> the index of the new token that completes a stop
+            string, or None; None when the request has no stop strings.
+
+    Returns:
+        (accepted, added, stopped) per running particle: drafts accepted, tokens kept, whether a
+        stop string ended it.
+    """
+    eos = plan.target.vocabulary.eos_token_id
+    accepted_out, added, stopped = [], [], []
+    for r, i in enumerate(cycle.running):
+        u = cycle.copy_of[r]
+        d = cycle.drafted[u]
+        emitted, terms, accepted = extend_particle(plan, d, logits[u, : len(d) + 1], cycle.masks[u], generator)
+        new = trim_at_eos(emitted, eos)[: plan.max_tokens - len(tokens[i])]
+        column = stop_at(tokens[i], new) if stop_at is not None else None
+        if column is not None:
+            new = new[: column + 1]
+        # the weight counts the kept positions only (an EOS, a stop or the budget may cut the block)
+        logw[i] += math.fsum(terms[: len(new)])
+        tokens[i] += new
+        accepted_out.append(accepted)
+        added.append(len(new))
+        stopped.append(column is not None)
+        drafter.record(len(d), accepted)
+    return accepted_out, added, stopped
+
+
 def run_smc_free(plan, prompt: list[int], generator: torch.Generator, on_cycle=None) -> Result:
     """Run an importance-verified StepPlan whose proposal is a free draft (module docstring).
 
@@ -141,16 +229,10 @@ def run_smc_free(plan, prompt: list[int], generator: torch.Generator, on_cycle=N
         log_z = 0.0
         cycles: list[CycleStats] = []
 
-        def finished() -> list[bool]:
-            return [eos in row for row in tokens]
-
-        def running_particles() -> list[int]:
-            return [i for i, row in enumerate(tokens) if eos not in row and len(row) < plan.max_tokens and math.isfinite(logw[i])]
-
         def result(final_logw: torch.Tensor, final_log_z: float, chosen: int, complete: bool = True) -> Result:
             return Result(
                 method=plan.name, prompt=prompt, particles=[trim_at_eos(row, eos) for row in tokens],
-                finished=finished(), log_weights=final_logw, log_ml=final_log_z, chosen=chosen, cycles=cycles,
+                finished=[eos in row for row in tokens], log_weights=final_logw, log_ml=final_log_z, chosen=chosen, cycles=cycles,
                 target_passes=len(cycles), draft_passes=0, seconds=time.perf_counter() - start,
                 decode=plan.target.decode, kv=kv_memory(target_rows),
                 **mask_stats(plan.masker), complete=complete,
@@ -159,63 +241,48 @@ def run_smc_free(plan, prompt: list[int], generator: torch.Generator, on_cycle=N
         if not torch.isfinite(logw).any():
             raise AllParticlesDiedError("no first token has nonzero probability under the target (and its constraints, if any)", result(logw, -math.inf, 0))
         # rows: the running particles, in particle order
-        running = running_particles()
+        running = running_particles(plan, tokens, logw)
         if len(running) < n and running:
             target_rows.select(torch.tensor(running))
         while running:
-            # particles holding equal tokens (copies made by resampling) get the same proposal
-            # and the same logits: one row computes them, and the copies share its KV blocks
-            distinct, copy_of = distinct_rows(tokens, running)
-            if len(distinct) < len(running):
-                target_rows.select(torch.tensor(distinct))
-            drafted, masks = proposals(plan, drafter, tokens, [running[r] for r in distinct])
-            width = max(len(d) for d in drafted)
-            # [U, width + 1]: each distinct row's unseen last token, its proposal, then filler
-            block = torch.tensor([[tokens[running[r]][-1]] + d + [eos] * (width - len(d)) for r, d in zip(distinct, drafted)])
+            cycle = propose_distinct(plan, drafter, tokens, running)
+            if len(cycle.distinct) < len(running):
+                target_rows.select(torch.tensor(cycle.distinct))
             lengths_before = target_rows.lengths
-            logits = target_rows.extend(block)
-            if len(distinct) < len(running):
-                target_rows.select(torch.tensor(copy_of))
-            kept_rows, added, accepted_total = [], [], 0
-            for r, i in enumerate(running):
-                u = copy_of[r]
-                d = drafted[u]
-                emitted, terms, accepted = extend_particle(plan, d, logits[u, : len(d) + 1], masks[u], generator)
-                new = trim_at_eos(emitted, eos)[: plan.max_tokens - len(tokens[i])]
-                # the weight counts the kept positions only (an EOS or the budget may cut the block)
-                logw[i] += math.fsum(terms[: len(new)])
-                tokens[i] += new
-                # the target keeps the unseen token and the accepted drafts
-                kept_rows.append(int(lengths_before[u]) + 1 + accepted)
-                added.append(len(new))
-                accepted_total += accepted
-                drafter.record(len(d), accepted)
-            target_rows.truncate_rows(torch.tensor(kept_rows))
-            still = running_particles()
+            logits = target_rows.extend(cycle.feed(tokens, eos))
+            if len(cycle.distinct) < len(running):
+                target_rows.select(torch.tensor(cycle.copy_of))
+            accepted, added, _ = extend_running(plan, drafter, cycle, logits, tokens, logw, generator)
+            # the target keeps the unseen token and the accepted drafts
+            target_rows.truncate_rows(torch.tensor([int(lengths_before[u]) + 1 + a for u, a in zip(cycle.copy_of, accepted)]))
+            still = running_particles(plan, tokens, logw)
             if still and still != running:
                 target_rows.select(torch.tensor([running.index(i) for i in still]))
-            ess = effective_sample_size(logw)
+            ess, ancestors, log_z_step = resample_on_ess(logw, plan.ess_threshold, generator, plan.resampling)
             if ess == 0.0:
                 cycles.append(CycleStats(ess, False, -math.inf, max(added), n, rows=len(running)))
                 raise AllParticlesDiedError("every particle reached weight zero", result(logw, -math.inf, 0))
-            resampled = ess < plan.ess_threshold * n
-            if resampled:
-                log_z += log_mean_weight(logw)
-                ancestors = resample(logw, generator, plan.resampling).tolist()
+            if ancestors is not None:
+                log_z += log_z_step
                 row_of = {i: r for r, i in enumerate(still)}
-                tokens = [list(tokens[a]) for a in ancestors]
+                tokens = [list(tokens[a]) for a in ancestors.tolist()]
                 logw = torch.zeros(n, dtype=torch.float64)
-                still = running_particles()
-                sources = [row_of[a] for a, row in zip(ancestors, tokens) if eos not in row and len(row) < plan.max_tokens]
+                sources = [row_of[a] for a, row in zip(ancestors.tolist(), tokens) if eos not in row and len(row) < plan.max_tokens]
                 if sources:
                     target_rows.select(torch.tensor(sources))
-            cycles.append(CycleStats(ess, resampled, log_z, max(added), n, accepted=accepted_total, rows=len(distinct), proposed=sum(len(drafted[u]) for u in copy_of)))
+                still = running_particles(plan, tokens, logw)
+            cycles.append(cycle_stats(cycle, ess, ancestors is not None, log_z, added, accepted, n))
             running = still
             if on_cycle is not None:
                 on_cycle(cycles[-1], [list(row) for row in tokens])
         return conclude(plan, tokens, logw, log_z, generator, result)
     finally:
         target_rows.close()
+
+
+def cycle_stats(cycle: CycleProposals, ess: float, resampled: bool, log_z: float, added: list[int], accepted: list[int], n: int) -> CycleStats:
+    """A free-draft SMC cycle's diagnostics: rows computed are the distinct ones."""
+    return CycleStats(ess, resampled, log_z, max(added), n, accepted=sum(accepted), rows=len(cycle.distinct), proposed=cycle.proposed)
 
 
 def conclude(plan, tokens: list[list[int]], logw: torch.Tensor, log_z: float, generator, result) -> Result:

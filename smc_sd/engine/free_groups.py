@@ -1,0 +1,171 @@
+"""A running SMC-SD request with a free draft in the batched engine (`smc_sd.engine.smc_free`).
+
+Every particle is extended by exact speculative sampling of the locally masked target q_loc,
+its free draft the point-mass draft, and weighted by the local normalisers Z of the positions
+it kept; ESS, resampling and log Z_hat are SMC's. The group runs the pure steps
+`run_smc_free` runs (`propose_distinct`, `extend_running`, `resample_on_ess`, `conclude`), on
+its own particles, from its own generator, in the same order, so its result for a seed is the
+one `Program.run` returns.
+
+Particles end a cycle at different lengths: the slot table keeps each one's (`SlotTable.length`)
+and a row holds its prompt and its generated tokens but the last. Particles holding equal tokens
+(copies made by resampling) hold one row between cycles (`seats`): one computed row feeds them
+all, and the reseat after the pass copies it (block pointers) for each particle at its own length.
+
+Dimension letters: N particles, U distinct running ones, V vocabulary.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from smc_sd.engine.free_drafts import FreeDrafter
+from smc_sd.engine.groups import Group, first_stop
+from smc_sd.engine.resampling import resample_on_ess
+from smc_sd.engine.result import AllParticlesDiedError, CycleStats, Result
+from smc_sd.engine.slots import SlotTable
+from smc_sd.engine.smc_free import conclude, cycle_stats, distinct_rows, extend_running, first_tokens, propose_distinct, running_particles
+
+
+class FreeImportanceGroup(Group):
+    """A request of an importance-verified plan whose proposal is a free draft.
+
+    Args:
+        request, plan, table: as `Group`'s.
+    """
+
+    def __init__(self, request, plan, table: SlotTable):
+        super().__init__(request, plan, table)
+        self.free_drafter = FreeDrafter(plan.free, self.prompt, plan.masker)
+        self.cycle = None
+
+    # --- the particles' state, read from the slot table ---------------------------------------
+
+    def tokens(self) -> list[list[int]]:
+        """Every particle's generated tokens (an ended one's end at its EOS or stop)."""
+        rows = self.table.tokens[self.slots, : self.generated].tolist()
+        return [row[:length] for row, length in zip(rows, self.table.length[self.slots].tolist())]
+
+    def running(self) -> list[int]:
+        """The particles the next cycle extends (`smc_free.running_particles`)."""
+        return running_particles(self.plan, self.tokens(), self.table.logw[self.slots], self.table.stopped[self.slots].tolist())
+
+    def live(self) -> torch.Tensor:
+        """[A] int64 slots of the running particles: those that hold rows."""
+        return self.slots[self.running()]
+
+    def seats(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Running particles holding equal tokens share one row (`Group.seats`)."""
+        running = self.running()
+        distinct, copy_of = distinct_rows(self.tokens(), running)
+        live = self.slots[running]
+        return live, live[distinct], torch.tensor(copy_of, dtype=torch.int64)
+
+    @property
+    def done(self) -> bool:
+        return not self.running()
+
+    # --- one cycle -----------------------------------------------------------------------------
+
+    def begin(self, first_logits: torch.Tensor, target_base: int, draft_base: int) -> None:
+        """Every particle draws its own first token (`smc_free.first_tokens`); its rows are the
+        `target_base` .. + N - 1 rows just joined.
+
+        Raises:
+            AllParticlesDiedError: when no first token has nonzero probability.
+        """
+        tokens, logw = first_tokens(self.plan, first_logits, self.generator)
+        stops = [first_stop(self.plan.target.decode, [], row, self.request.stop) is not None for row in tokens]
+        self._store(tokens, logw, stops)
+        self.table.target_row[self.slots] = target_base + torch.arange(self.plan.particles)
+        self._drop_ended_rows()
+        self.tokens_out += self.plan.particles
+        if not torch.isfinite(logw).any():
+            raise AllParticlesDiedError("no first token has nonzero probability under the target (and its constraints, if any)", self._final(logw, -math.inf, 0, True, None))
+
+    def prepare(self) -> None:
+        """The cycle's proposals, one per distinct running particle."""
+        self.cycle = propose_distinct(self.plan, self.free_drafter, self.tokens(), self.running())
+
+    def target_width(self) -> int:
+        return self.cycle.width
+
+    def target_feed(self, width: int) -> torch.Tensor:
+        """[U, width] int64: each distinct row's unseen last token, its proposal, EOS filler."""
+        feed = self.cycle.feed(self.tokens(), self.eos)
+        filler = torch.full((feed.shape[0], width - feed.shape[1]), self.eos, dtype=torch.int64)
+        return torch.cat([feed, filler], 1)
+
+    def verify(self, target_logits: torch.Tensor) -> None:
+        """Extension, weights, ESS and resampling of one cycle (`run_smc_free`'s loop body).
+
+        Args:
+            target_logits: [U, width, V] float32, the target's logits over the distinct rows.
+
+        Raises:
+            AllParticlesDiedError: when every weight reaches zero.
+        """
+        plan, cycle, n = self.plan, self.cycle, self.plan.particles
+        tokens, logw = self.tokens(), self.table.logw[self.slots].clone()
+        stopped = self.table.stopped[self.slots].tolist()
+        stop_at = self._stop_at if self.request.stop else None
+        accepted, added, stops = extend_running(plan, self.free_drafter, cycle, target_logits, tokens, logw, self.generator, stop_at)
+        for i, stop in zip(cycle.running, stops):
+            stopped[i] = stop
+        self._store(tokens, logw, stopped)
+        self._drop_ended_rows()
+        self.tokens_out += sum(added)
+        self.accepted += sum(accepted)
+        self.drafted += cycle.proposed
+        ess, ancestors, log_z_step = resample_on_ess(logw, plan.ess_threshold, self.generator, plan.resampling)
+        if ess == 0.0:
+            self.cycles.append(CycleStats(ess, False, -math.inf, max(added), n, rows=len(cycle.running)))
+            raise AllParticlesDiedError("every particle reached weight zero", self._final(logw, -math.inf, 0, True, None))
+        if ancestors is not None:
+            self.log_z += log_z_step
+            self.table.copy(self.slots, self.slots[ancestors])
+            self._drop_ended_rows()
+        self.cycles.append(cycle_stats(cycle, ess, ancestors is not None, self.log_z, added, accepted, n))
+
+    def result(self, kv: dict | None) -> Result:
+        """The request's Result (`smc_free.conclude`).
+
+        Raises:
+            AllParticlesDiedError: when every final weight is zero.
+        """
+
+        def final(log_weights, log_ml, chosen, complete=True):
+            return self._final(log_weights, log_ml, chosen, complete, kv)
+
+        return conclude(self.plan, self.tokens(), self.table.logw[self.slots].clone(), self.log_z, self.generator, final)
+
+    # --- helpers -------------------------------------------------------------------------------
+
+    def _final(self, log_weights, log_ml, chosen, complete, kv) -> Result:
+        return self._result(self.particle_tokens(), self.table.finished[self.slots].tolist(), log_weights, log_ml, chosen, complete, kv)
+
+    def _store(self, tokens: list[list[int]], logw: torch.Tensor, stopped: list[bool]) -> None:
+        """Scatter every particle's tokens, length, weight and end into the slot table."""
+        table, slots = self.table, self.slots
+        self.generated = max(len(row) for row in tokens)
+        if self.generated > table.columns:
+            raise ValueError(f"{self.generated} tokens per particle exceed the slot table's {table.columns} columns")
+        # [N, S]: the tokens, EOS filler after each particle's end
+        table.tokens[slots, : self.generated] = torch.tensor([row + [self.eos] * (self.generated - len(row)) for row in tokens])
+        table.length[slots] = torch.tensor([len(row) for row in tokens])
+        table.logw[slots] = logw
+        table.stopped[slots] = torch.tensor(stopped)
+        table.finished[slots] = torch.tensor([self.eos in row or stop for row, stop in zip(tokens, stopped)])
+
+    def _drop_ended_rows(self) -> None:
+        """Particles that do not run any more hold no rows."""
+        running = torch.zeros(self.plan.particles, dtype=torch.bool)
+        running[self.running()] = True
+        self.table.target_row[self.slots[~running]] = -1
+
+    def _stop_at(self, prefix: list[int], new: list[int]) -> int | None:
+        """The index of the new token completing a stop string (its EOS aside), or None."""
+        return first_stop(self.plan.target.decode, prefix, [t for t in new if t != self.eos], self.request.stop)
+

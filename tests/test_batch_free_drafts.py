@@ -1,0 +1,182 @@
+"""Free drafts in the batched engine, beside requests of other methods and settings.
+
+The strongest law first: a free-draft request (sd, mask-at-verify and smc-sd with the free draft)
+draws from its own generator, with its own lookup state, from logits equal to its rows' own, so
+batched among requests of other kinds it returns exactly what `Program.run` returns with its
+seed: particles, weights, log Z_hat, choice and trace. Then the methods' laws, sampled through
+the engine with neighbours running beside every request: sd with the free draft samples p_T,
+mask-at-verify the local projection, smc-sd reaches the global conditional with an unbiased
+Z_hat. TV tolerances come from `tv_tolerance` (failure 1e-6 when exact); Z_hat's test is 5
+standard errors.
+"""
+
+import math
+
+import pytest
+
+from smc_sd.engine.batch import BatchEngine, Request
+from smc_sd.metrics import empirical, total_variation, tv_tolerance
+from smc_sd.program import FreeDraft, Schedule
+from smc_sd.program.grammars import Regex
+from smc_sd.program.potentials import as_token_constraint
+from smc_sd.programs import autoregressive, mask_at_verify, smc_speculative, speculative
+from tests.test_batch_engine import alone, assert_same_outcome, outcome
+from tests.test_constraints import MAX_TOKENS as LANGUAGE_TOKENS, in_language, language_constraint
+from tests.test_free_drafts import LOOKUP, REPEATING_PROMPT, WORDS_PROMPT
+from tests.test_llguidance import WordLM
+from tests.toy_programs import PROMPT, target_and_draft
+
+
+def free_and_other_requests(target, draft, count: int) -> list[Request]:
+    """Free-draft requests of every method among requests of other methods and settings."""
+    constraint = language_constraint()
+    forced = FreeDraft(min_match=1, max_len=3)
+    menu = [
+        (speculative.program(target, None, free_draft=LOOKUP), Schedule(1, max_tokens=8)),
+        (smc_speculative.program(target, draft, draft_len=2), Schedule(4, max_tokens=7)),
+        (smc_speculative.program(target, None, free_draft=LOOKUP), Schedule(4, max_tokens=7)),
+        (autoregressive.program(target, temperature=0.7), Schedule(3, resampling="multinomial", max_tokens=6)),
+        (smc_speculative.program(target, None, constraints=(constraint,), free_draft=LOOKUP), Schedule(6, ess_threshold=0.9, max_tokens=LANGUAGE_TOKENS)),
+        (speculative.program(target, draft, draft_len=3), Schedule(1, max_tokens=8)),
+        (mask_at_verify.program(target, None, constraints=(constraint,), free_draft=forced), Schedule(1, max_tokens=LANGUAGE_TOKENS)),
+        (smc_speculative.program(target, None, free_draft=FreeDraft(forced=False, min_match=2, max_len=5), temperature=0.8, alpha=2.0), Schedule(5, ess_threshold=1.0, max_tokens=6)),
+        (speculative.program(target, None, temperature=0.0, free_draft=LOOKUP), Schedule(1, max_tokens=6)),
+        (mask_at_verify.program(target, draft, draft_len=1, constraints=(constraint,)), Schedule(1, max_tokens=4)),
+    ]
+    prompts = [REPEATING_PROMPT, WORDS_PROMPT, PROMPT, [2], [0, 1, 1, 2, 0, 1]]
+    return [Request(prompts[i % len(prompts)], *menu[i % len(menu)], seed=i) for i in range(count)]
+
+
+@pytest.mark.parametrize("max_running", [1, 4, 16])
+def test_each_free_draft_request_returns_what_program_run_returns(max_running):
+    target, draft = target_and_draft(noise=1.0)
+    requests = free_and_other_requests(target, draft, 60)
+    # few slots, so requests also wait for room and join mid-way
+    engine = BatchEngine(target, draft, max_running=max_running, max_slots=24)
+    handles = [engine.submit(r) for r in requests]
+    while engine.step():
+        engine.table.check_invariants()
+    proposed = 0
+    for request, handle in zip(requests, handles):
+        single = alone(request)
+        assert_same_outcome(outcome(handle), single)
+        if request.program.proposal is not None and request.program.proposal.free is not None:
+            proposed += sum(c.proposed or 0 for c in single.cycles)
+    # the free drafts proposed, so the comparison covered rows of different lengths
+    assert proposed > 30
+    assert engine.table.free == 24 and engine.target_rows.rows is None and engine.draft_rows.rows is None
+
+
+def test_copies_share_one_computed_row():
+    # resampling at every cycle makes copies: particles holding equal tokens
+    target, _ = target_and_draft(noise=1.0)
+    program = smc_speculative.program(target, None, free_draft=LOOKUP)
+    computed, running = 0, 0
+    for seed in range(5):
+        request = Request(REPEATING_PROMPT, program, Schedule(8, ess_threshold=1.0, max_tokens=6), seed=seed)
+        engine = BatchEngine(target, None, max_running=2)
+        handle = engine.submit(request)
+        while engine.step():
+            if engine._running:
+                live, seated, _ = engine._running[0].group.seats()
+                # the rows held are the distinct running particles' only
+                assert engine.target_rows.size == seated.numel()
+                computed, running = computed + seated.numel(), running + live.numel()
+        assert_same_outcome(handle.result(0), alone(request))
+    assert computed < running
+
+
+def batched_samples(target, draft, program, prompt: list[int], schedule: Schedule, n: int, max_running: int = 24):
+    """Results of n seeded runs of `program` through one engine, each beside a neighbour of
+    another method (exact sd with an LM draft, then SMC-SD with it, alternately)."""
+    neighbours = [
+        (speculative.program(target, draft, draft_len=2), Schedule(1, max_tokens=5)),
+        (smc_speculative.program(target, draft, draft_len=1, alpha=2.0), Schedule(3, max_tokens=4)),
+    ]
+    engine = BatchEngine(target, draft, max_running=max_running, max_waiting=2 * n, max_slots=max_running * max(schedule.particles, 3))
+    handles = []
+    for seed in range(n):
+        handles.append(engine.submit(Request(prompt, program, schedule, seed=seed)))
+        engine.submit(Request([1, 2, 0], *neighbours[seed % 2], seed=seed))
+    while engine.step():
+        pass
+    return [handle.result(0) for handle in handles]
+
+
+def test_batched_sd_with_a_lookup_draft_samples_the_target():
+    target, draft = target_and_draft(noise=2.0)
+    max_tokens, n = 4, 3000
+    results = batched_samples(target, draft, speculative.program(target, None, free_draft=LOOKUP), REPEATING_PROMPT, Schedule(1, max_tokens=max_tokens), n)
+    proposed = sum(c.proposed or 0 for r in results for c in r.cycles)
+    accepted = sum(c.accepted or 0 for r in results for c in r.cycles)
+    assert proposed > n // 4 and 0 < accepted < proposed
+    exact, _ = target.completion_distribution(REPEATING_PROMPT, max_tokens)
+    assert total_variation(empirical([tuple(r.tokens) for r in results]), exact) < tv_tolerance(exact, n)
+
+
+def test_batched_mask_at_verify_with_forced_tokens_samples_the_local_projection():
+    # "()" is forced at the start and after every pair; "(" then ")" spells it too
+    lm = WordLM(["(", ")", "()", "(("], seed=2)
+    constraint = Regex(r"(\(\))+")
+    max_tokens, n = 4, 3000
+    program = mask_at_verify.program(lm, None, constraints=(constraint,), free_draft=FreeDraft(min_match=1, max_len=3))
+    # neighbours on the same model: constrained ar with several particles, and plain ar
+    engine = BatchEngine(lm, None, max_running=24, max_waiting=2 * n, max_slots=24 * 3)
+    handles = []
+    for seed in range(n):
+        handles.append(engine.submit(Request([0], program, Schedule(1, max_tokens=max_tokens), seed=seed)))
+        other = autoregressive.program(lm, constraints=(constraint,)) if seed % 2 else autoregressive.program(lm, temperature=0.5)
+        engine.submit(Request([1, 0], other, Schedule(3, max_tokens=3), seed=seed))
+    while engine.step():
+        pass
+    results = [handle.result(0) for handle in handles]
+    proposed = sum(c.proposed or 0 for r in results for c in r.cycles)
+    accepted = sum(c.accepted or 0 for r in results for c in r.cycles)
+    assert proposed > n // 4 and 0 < accepted < proposed
+    exact, _ = lm.completion_distribution([0], max_tokens, constraint=as_token_constraint(constraint, lm), local=True)
+    assert total_variation(empirical([tuple(r.tokens) for r in results]), exact) < tv_tolerance(exact, n)
+
+
+def test_batched_smc_sd_with_a_free_draft_reaches_the_conditional():
+    target, draft = target_and_draft(noise=1.0)
+    constraint = language_constraint()
+    exact, _ = target.completion_distribution(WORDS_PROMPT, LANGUAGE_TOKENS, constraint=constraint)
+    local, _ = target.completion_distribution(WORDS_PROMPT, LANGUAGE_TOKENS, constraint=constraint, local=True)
+    assert total_variation(local, exact) > 0.3
+    runs = 400
+    program = smc_speculative.program(target, None, constraints=(constraint,), free_draft=LOOKUP)
+    samples = {}
+    for n in (1, 16):
+        results = batched_samples(target, draft, program, WORDS_PROMPT, Schedule(n, max_tokens=LANGUAGE_TOKENS), runs, max_running=8)
+        samples[n] = [tuple(r.tokens) for r in results]
+        assert sum(c.proposed or 0 for r in results for c in r.cycles) > 0
+    assert all(in_language(x) for xs in samples.values() for x in xs)
+    tolerance = tv_tolerance(exact, runs)
+    tv = {n: total_variation(empirical(xs), exact) for n, xs in samples.items()}
+    # one particle samples the local projection; sixteen reach the conditional
+    assert total_variation(empirical(samples[1]), local) < tv_tolerance(local, runs)
+    assert tv[16] < tolerance and tv[1] > tv[16] + tolerance
+
+
+@pytest.mark.parametrize("ess_threshold", [1.0, 0.5])
+def test_batched_smc_sd_with_a_free_draft_has_an_unbiased_z_hat(ess_threshold):
+    target, draft = target_and_draft(noise=1.0)
+    constraint = language_constraint()
+    _, log_z = target.completion_distribution(WORDS_PROMPT, LANGUAGE_TOKENS, constraint=constraint)
+    program = smc_speculative.program(target, None, constraints=(constraint,), free_draft=LOOKUP)
+    schedule = Schedule(particles=4, ess_threshold=ess_threshold, max_tokens=LANGUAGE_TOKENS)
+    results = batched_samples(target, draft, program, WORDS_PROMPT, schedule, 2000)
+    z_hats = [math.exp(r.log_ml) for r in results]
+    mean = sum(z_hats) / len(z_hats)
+    std_error = math.sqrt(sum((z - mean) ** 2 for z in z_hats) / (len(z_hats) - 1) / len(z_hats))
+    # 5 standard errors: a false alarm has probability ~1e-6 under the CLT
+    assert abs(mean - math.exp(log_z)) < 5 * std_error
+    assert std_error < 0.06 * math.exp(log_z)
+
+
+def test_a_free_draft_beside_a_draft_model_is_refused_with_one_line():
+    target, draft = target_and_draft()
+    engine = BatchEngine(target, draft)
+    program = speculative.program(target, draft, draft_len=2, free_draft=LOOKUP)
+    with pytest.raises(ValueError, match=r"free\+NAME"):
+        engine.submit(Request(PROMPT, program, Schedule(1, max_tokens=4)))
