@@ -14,6 +14,7 @@ import math
 
 import pytest
 
+from smc_sd.backends.dry_run import DryRunLM
 from smc_sd.engine.batch import BatchEngine, Request
 from smc_sd.metrics import empirical, total_variation, tv_tolerance
 from smc_sd.program import FreeDraft, Schedule
@@ -180,3 +181,22 @@ def test_a_free_draft_beside_a_draft_model_is_refused_with_one_line():
     program = speculative.program(target, draft, draft_len=2, free_draft=LOOKUP)
     with pytest.raises(ValueError, match=r"free\+NAME"):
         engine.submit(Request(PROMPT, program, Schedule(1, max_tokens=4)))
+
+
+def test_a_backend_with_rows_of_one_length_serves_sd_free_and_refuses_smc_sd_free_in_one_line():
+    toy_target, _ = target_and_draft(noise=1.0)
+    target = DryRunLM(toy_target, 8, 2)
+    sd = Request(REPEATING_PROMPT, speculative.program(target, None, free_draft=LOOKUP), Schedule(1, max_tokens=8), seed=1)
+    smc = Request(REPEATING_PROMPT, smc_speculative.program(target, None, free_draft=LOOKUP), Schedule(4, max_tokens=6), seed=2)
+    ar = Request([1, 2, 0], autoregressive.program(target), Schedule(2, max_tokens=5), seed=3)
+    engine = BatchEngine(target, None, max_running=4)
+    handles = [engine.submit(r) for r in (sd, smc, ar, smc)]
+    while engine.step():
+        pass
+    assert engine.dead is None
+    for request, handle in zip((sd, ar), (handles[0], handles[2])):
+        assert_same_outcome(outcome(handle), alone(request))
+    for handle in (handles[1], handles[3]):
+        error = outcome(handle)
+        assert isinstance(error, ValueError) and "rows of different lengths" in str(error) and "\n" not in str(error)
+    assert target.manager.pool.live == 0

@@ -27,7 +27,8 @@ the backends' laws for rows of different lengths, this makes a request's law ind
 the batch: it draws what `Program.run` draws, in the same order, from logits equal to its own.
 
 A backend whose rows keep one length (`Sequences.join` raises NotImplementedError) still serves,
-one request at a time.
+one request at a time, except SMC-SD with a free draft and N > 1, whose particles end cycles at
+different lengths: that request fails with one line (`ONE_LENGTH_REFUSAL`).
 
 Errors: a request's own failure (all particles died, a potential that raises) fails that
 request only; a failure of a backend pass kills the engine (`dead`), failing every request.
@@ -56,6 +57,11 @@ __all__ = ["BatchEngine", "Event", "Handle", "QueueFullError", "Request", "run_m
 
 #: slots per running request when the engine is not told how many to keep
 SLOTS_PER_REQUEST = 16
+#: why a request whose particles end cycles at different lengths cannot run on some backends
+ONE_LENGTH_REFUSAL = (
+    "smc-sd with a free draft and more than one particle needs rows of different lengths, "
+    "which this backend cannot hold (its rows keep one length); use the hf backend, or sd or mask-at-verify"
+)
 
 
 @dataclass
@@ -293,6 +299,9 @@ class BatchEngine:
                 entry.group = None
             return False
         for entry, (bases, logits) in zip(entries, joined):
+            if entry.group.needs_ragged_rows and not self.target_rows.ragged:
+                self._leave(entry, None, ValueError(ONE_LENGTH_REFUSAL))
+                continue
             if self._attempt(entry, entry.group.begin, logits, *bases):
                 self._finish_or_report(entry)
         return True

@@ -67,6 +67,10 @@ class FreeImportanceGroup(Group):
     def done(self) -> bool:
         return not self.running()
 
+    @property
+    def needs_ragged_rows(self) -> bool:
+        return self.plan.particles > 1
+
     # --- one cycle -----------------------------------------------------------------------------
 
     def begin(self, first_logits: torch.Tensor, target_base: int, draft_base: int) -> None:

@@ -82,6 +82,12 @@ class Group:
         return self.plan.draft_len
 
     @property
+    def needs_ragged_rows(self) -> bool:
+        """Whether the group's rows end cycles at different lengths (several particles that
+        advance by different counts)."""
+        return False
+
+    @property
     def has_draft(self) -> bool:
         return self.plan.draft is not None
 

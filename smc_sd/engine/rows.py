@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from smc_sd.backends.base import LanguageModel
+from smc_sd.backends.base import LanguageModel, Sequences
 
 
 class RowSet:
@@ -29,6 +29,12 @@ class RowSet:
     def size(self) -> int:
         """B, the rows held."""
         return 0 if self.rows is None else self.rows.batch_size
+
+    @property
+    def ragged(self) -> bool:
+        """Whether the rows held may differ in length: the backend rolls rows back to
+        lengths of their own (`Sequences.truncate_rows` overridden), not to one length only."""
+        return self.rows is not None and type(self.rows).truncate_rows is not Sequences.truncate_rows
 
     def join_many(self, prompts: list[list[int]], counts: list[int]) -> list[torch.Tensor]:
         """Add counts[j] rows holding prompts[j], in order, after the rows held.
