@@ -16,8 +16,12 @@ Such a mask cuts token sequences the target gives mass to. Without forcing, llgu
 token trie from the parser state (forced bytes included), so the mask is the set above: every
 token whose bytes keep the string completable, whatever tokenization it starts.
 
-Matcher states live in a `MatcherPool`, shared by genealogy: a prefix's state is its parent's
-matcher walked on in place, or a rolled-back copy where lines fork (`smc_sd.program.matcher_pool`).
+The grammar is compiled once per (grammar text, tokenizer) and shared by every constraint of
+equal text (`smc_sd.program.compiled_grammars`); each constraint walks its own copy. Matcher
+states live in the constraint's `MatcherPool`, shared by genealogy: a prefix's state is its
+parent's matcher walked on in place, or a rolled-back copy where lines fork
+(`smc_sd.program.matcher_pool`). States and mask rows belong to the constraint and are freed
+with it: a program lowers its constraints afresh for every run.
 
 A mask is computed as llguidance's int32 bit words (one `unsafe_compute_mask_ptr` per distinct
 prefix into a buffer kept between calls, or one parallel call over every row where the machine
@@ -41,6 +45,7 @@ import llguidance.hf
 import numpy as np
 import torch
 
+from smc_sd.program.compiled_grammars import root_matcher
 from smc_sd.program.constraints import TokenConstraint, stack_rows
 from smc_sd.program.matcher_pool import MatcherPool
 
@@ -180,10 +185,8 @@ class GrammarConstraint(TokenConstraint):
         bits = np.zeros(32 * self._width, dtype=bool)
         bits[: min(self.vocab_size, 32 * self._width)] = allowed.numpy()[: 32 * self._width]
         self._allowed_words = np.packbits(bits, bitorder="little").view("<i4").astype(np.int32)
-        root = llguidance.LLMatcher(self._tokenizer, without_forcing(grammar), log_level=0)
-        if root.is_error():
-            raise ValueError(f"invalid {description}: {root.get_error().splitlines()[0]}")
-        self._states = MatcherPool(root)
+        # the shared compiled root is never advanced: the pool walks a copy
+        self._states = MatcherPool(root_matcher(without_forcing(grammar), self._tokenizer, description).deep_copy())
         # llguidance's bit words (b"" for a dead prefix) -> (mask [1, V] bool, allows no token)
         self._rows: dict[bytes, tuple[torch.Tensor, bool]] = {}
         # [rows, W] int32 that llguidance writes into, as bytes, and its address

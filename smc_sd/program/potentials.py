@@ -31,8 +31,9 @@ from smc_sd.program.constraints import ConjunctionConstraint, TokenConstraint
 from smc_sd.program.scores import BlockPotential
 
 
-# per LM: its lowered constraints {id(potential): (potential, lowered)}
-_LOWERED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+# per byte potential, per LM: the masks of its byte prefixes, kept while both live (a
+# potential asked again, in a later run, answers from them; they reference neither)
+_BYTE_MASKS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 class BytePotentialConstraint(TokenConstraint):
@@ -41,7 +42,8 @@ class BytePotentialConstraint(TokenConstraint):
     The mask of a byte prefix d walks the vocabulary's byte trie from the root, asking the
     potential once per live trie node n for the weights of every next byte, `logw_next(d + n)`
     (one call gives all 256 children), and pruning each subtree whose byte is dead. EOS is
-    `complete(d)`. Masks are cached per byte prefix.
+    `complete(d)`. Masks are cached per byte prefix, for as long as the potential and the LM
+    live (every lowering of one potential for one LM shares them).
 
     Cost: one `logw_next` per live node, so a mask costs as many potential calls as there are
     distinct byte prefixes of allowed tokens: about 10^4 to 10^5 on a 49,152-token vocabulary
@@ -61,7 +63,7 @@ class BytePotentialConstraint(TokenConstraint):
         self.vocab_size, self.eos = lm.vocabulary.size, lm.vocabulary.eos_token_id
         self._vocabulary, self._trie = vocabulary_trie(lm)
         self._loop = asyncio.new_event_loop()
-        self._masks: dict[bytes, torch.Tensor] = {}
+        self._masks: dict[bytes, torch.Tensor] = _BYTE_MASKS.setdefault(potential, weakref.WeakKeyDictionary()).setdefault(lm, {})
 
     async def _walk(self, data: bytes) -> torch.Tensor:
         mask = torch.zeros(self.vocab_size, dtype=torch.bool)
@@ -130,11 +132,10 @@ def as_token_constraint(constraint, lm) -> TokenConstraint:
     """
     if isinstance(constraint, TokenConstraint):
         return constraint
-    # a lowered constraint keeps its matcher states and mask tables across runs: one per (potential, LM)
-    lowered = _LOWERED.setdefault(lm, {})
-    if id(constraint) not in lowered:
-        lowered[id(constraint)] = (constraint, _lower(constraint, lm))
-    return lowered[id(constraint)][1]
+    # lowered afresh for every run: what a run's constraint holds (matcher states, mask rows) is
+    # freed with the run; what is dear to make is shared by content (compiled grammars) or
+    # kept while the potential lives (the generic path's masks)
+    return _lower(constraint, lm)
 
 
 def _lower(constraint, lm) -> TokenConstraint:
