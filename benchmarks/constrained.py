@@ -63,7 +63,7 @@ def processor() -> str:
 def json_valid(text: str) -> bool:
     import jsonschema
 
-    from smc_sd.program.grammars import schema_validator
+    from smc_sd.program.json_validation import schema_validator
 
     try:
         return schema_validator(SCHEMA).is_valid(json.loads(text))

@@ -43,7 +43,7 @@ def build(path: pathlib.Path):
 
 def is_valid(path: pathlib.Path, text: str) -> bool:
     if path.suffix == ".json":
-        from smc_sd.program.grammars import schema_validator
+        from smc_sd.program.json_validation import schema_validator
 
         try:
             return schema_validator(json.loads(path.read_text())).is_valid(json.loads(text))

@@ -1,5 +1,6 @@
 """Constrained SMC-SD: the target is p_T(x)^alpha conditioned on x matching a regex, a Lark grammar
-or a JSON schema, each a genlm-control potential over bytes whose masks come from llguidance.
+or a JSON schema, each a `Language` (an llguidance grammar over bytes) whose masks come from
+llguidance; no genlm-control is loaded for them.
 
 The draft proposes only tokens that keep the constraint satisfiable and the bonus token is drawn
 from the masked target; the masked normalisers in the weights correct the local projection toward
@@ -11,35 +12,35 @@ the local projection itself.
 
 from smc_sd.backends.base import LanguageModel
 from smc_sd.program import Program
+from smc_sd.program.languages import json_schema_language, lark_language, regex_language
 from smc_sd.programs import smc_speculative
 
 DEFAULT_PARTICLES = 4
 
 
 def potentials(*, regex: str | None = None, grammar: str | None = None, json_schema=None, json_layout: str = "compact") -> tuple:
-    """The constraints given (any combination, conjoined), each a genlm-control potential over
-    bytes lowered to llguidance masks.
+    """The constraints given (any combination, conjoined), each a `Language` the compiler
+    lowers to llguidance masks (as it lowers the genlm-control potentials `Regex`, `Grammar`
+    and `JsonSchema` of the same arguments).
 
     Args:
-        regex: a regular expression the whole output must match (`Regex`).
-        grammar: a Lark grammar the output must parse under (`Grammar`).
+        regex: a regular expression the whole output must match (`regex_language`).
+        grammar: a Lark grammar the output must parse under (`lark_language`).
         json_schema: a JSON schema (dict, JSON text or file path) the output must validate
-            against (`JsonSchema`).
+            against (`json_schema_language`).
         json_layout: the JSON's layout, "compact" (no whitespace, fixed separators: keys and
             punctuation are forced) or "flexible" (any whitespace between tokens).
 
     Raises:
         ValueError: naming the problem, for an invalid regex, grammar or schema.
     """
-    from smc_sd.program.grammars import Grammar, JsonSchema, Regex
-
     out = []
     if regex is not None:
-        out.append(Regex(regex))
+        out.append(regex_language(regex))
     if grammar is not None:
-        out.append(Grammar(grammar))
+        out.append(lark_language(grammar))
     if json_schema is not None:
-        out.append(JsonSchema(json_schema, json_layout))
+        out.append(json_schema_language(json_schema, json_layout))
     return tuple(out)
 
 

@@ -16,7 +16,8 @@ import pytest
 import regex
 import torch
 
-from smc_sd.program.grammars import Grammar, JsonSchema, Regex, byte_tokenizer
+from smc_sd.program.grammars import Grammar, JsonSchema, Regex
+from smc_sd.program.languages import byte_tokenizer
 from smc_sd.program.llguidance_masks import GrammarConstraint
 from smc_sd.program.potentials import as_token_constraint
 from tests.test_llguidance import WordLM, brute_force_masks, cfg_oracle, regex_oracle

@@ -6,7 +6,7 @@ schema. Each is rewritten exactly:
 - a `BoolFSA` as a right-linear Lark grammar, one rule per automaton state:
       s_i : /[bytes to s_j]/ s_j | ... | ""        ("" iff s_i is final);
 - a `BoolCFG` rule by rule, each terminal byte b as the regex /[\\xb]/;
-- genlm-control's `JsonSchema` as `smc_sd.program.grammars.JsonSchema` of the same schema.
+- genlm-control's `JsonSchema` as `json_schema_language` of the same schema.
 A product `p1 * p2` of byte potentials is split into its factors (`factors`), each lowered on
 its own. Both grammars are over bytes: a multi-byte character is split into its UTF-8 bytes
 (genlm-control's automaton for "é+" reads 0xC3 then 0xA9), so they carry llguidance's
@@ -17,29 +17,30 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-from smc_sd.program.grammars import GrammarPotential, JsonSchema
+import llguidance
+
+from genlm.control.potential.built_in.json import FullValidatorJsonSchema
+from genlm.control.potential.built_in.wcfg import BoolCFG
+from genlm.control.potential.built_in.wfsa import BoolFSA
+from genlm.control.potential.product import Product
+
+from smc_sd.program.grammars import GrammarPotential
+from smc_sd.program.languages import Language, json_schema_language
 
 
-def lower(potential) -> GrammarPotential | None:
-    """The llguidance form of a potential, or None when its language cannot be read back."""
-    from genlm.control.potential.built_in.json import FullValidatorJsonSchema
-    from genlm.control.potential.built_in.wcfg import BoolCFG
-    from genlm.control.potential.built_in.wfsa import BoolFSA
-    from genlm.control.potential.product import Product
-
+def lower(potential) -> Language | None:
+    """The language of a potential as an llguidance grammar, or None when it cannot be read back."""
     if isinstance(potential, GrammarPotential):
-        return potential
+        return potential.language
     if isinstance(potential, Product) and isinstance(potential.p2, FullValidatorJsonSchema):
         # genlm-control's JsonSchema: a streaming parser of the schema times its full validator
-        return JsonSchema(potential.p2.schema)
+        return json_schema_language(potential.p2.schema)
     lark = fsa_lark(potential) if isinstance(potential, BoolFSA) else None
     if isinstance(potential, BoolCFG):
         lark = cfg_lark(potential.cfg)
     if lark is None:
         return None
-    import llguidance
-
-    return GrammarPotential(llguidance.LLMatcher.grammar_from_lark(lark), type(potential).__name__)
+    return Language(llguidance.LLMatcher.grammar_from_lark(lark), type(potential).__name__)
 
 
 #: the grammar option under which a regex's \xNN is one byte, so byte automata can be written
@@ -108,8 +109,6 @@ def cfg_lark(cfg) -> str | None:
 def factors(potential) -> list:
     """A genlm-control product split into its factors, keeping whole what `lower` reads back
     (genlm-control's `JsonSchema` is itself a product)."""
-    from genlm.control.potential.product import Product
-
     if isinstance(potential, Product) and lower(potential) is None:
         return factors(potential.p1) + factors(potential.p2)
     return [potential]

@@ -6,11 +6,13 @@ token bytes, as genlm-control's `coerce(llm, f=b"".join)` does:
     phi_tokens(x_1..x_t) = phi_bytes(bytes(x_1) + ... + bytes(x_t)).
 
 Lowering, in order of preference:
-- `Regex`, `Grammar`, `JsonSchema` (smc_sd.program.grammars), and genlm-control's `BoolFSA`,
-  `BoolCFG` and `JsonSchema` whose language can be read back (smc_sd.program.genlm_lowering),
-  become llguidance masks (`GrammarConstraint`): exact, tens of microseconds per mask. A schema
-  llguidance only over-approximates also yields a `CompletionCheck`, the exact test as phi on
-  complete strings.
+- A `Language` (smc_sd.program.languages: a regex, Lark grammar or JSON schema compiled to an
+  llguidance grammar), `Regex`, `Grammar`, `JsonSchema` (smc_sd.program.grammars, the same as
+  genlm-control potentials), and genlm-control's `BoolFSA`, `BoolCFG` and `JsonSchema` whose
+  language can be read back (smc_sd.program.genlm_lowering), become llguidance masks
+  (`GrammarConstraint`): exact, tens of microseconds per mask. A schema llguidance only
+  over-approximates also yields a `CompletionCheck`, the exact test as phi on complete strings.
+  A `Language` is lowered without loading genlm-control; any other constraint loads it.
 - A product `p1 * p2` is split into its factors, each lowered on its own and conjoined
   (`ConjunctionConstraint`).
 - Any other boolean potential over bytes keeps the generic path, `BytePotentialConstraint`.
@@ -28,6 +30,7 @@ import torch
 
 from smc_sd.program.byte_vocabulary import vocabulary_trie
 from smc_sd.program.constraints import ConjunctionConstraint, TokenConstraint
+from smc_sd.program.languages import Language
 from smc_sd.program.scores import BlockPotential
 
 
@@ -123,8 +126,8 @@ def as_token_constraint(constraint, lm) -> TokenConstraint:
     """Lower one of a program's constraints to token masks of `lm` (module docstring).
 
     Args:
-        constraint: a `TokenConstraint` (kept) or a boolean genlm-control `Potential` over bytes
-            or over the LM's token ids.
+        constraint: a `TokenConstraint` (kept), a `Language`, or a boolean genlm-control
+            `Potential` over bytes or over the LM's token ids.
         lm: the target LM.
 
     Raises:
@@ -139,23 +142,27 @@ def as_token_constraint(constraint, lm) -> TokenConstraint:
 
 
 def _lower(constraint, lm) -> TokenConstraint:
+    from smc_sd.program.llguidance_masks import GrammarConstraint
+
+    if isinstance(constraint, Language):
+        return GrammarConstraint(constraint.grammar, lm, constraint.description, constraint.exact_check)
+    # every other constraint is a genlm-control potential: only now is genlm-control loaded
     from genlm.control.potential import Potential
 
     from smc_sd.program.genlm_lowering import factors, lower
-    from smc_sd.program.llguidance_masks import GrammarConstraint
 
     if not isinstance(constraint, Potential):
-        raise TypeError(f"a constraint must be a TokenConstraint or a genlm-control Potential, got {type(constraint).__name__}")
+        raise TypeError(f"a constraint must be a TokenConstraint, a Language or a genlm-control Potential, got {type(constraint).__name__}")
     if not is_byte_potential(constraint):
         return TokenPotentialConstraint(constraint, lm)
     parts = factors(constraint)
     if len(parts) > 1:
         # p1 * p2: each factor on its own path (llguidance where it can be read back)
         return ConjunctionConstraint(tuple(as_token_constraint(p, lm) for p in parts))
-    grammar = lower(constraint)
-    if grammar is None:
+    language = lower(constraint)
+    if language is None:
         return BytePotentialConstraint(constraint, lm)
-    return GrammarConstraint(grammar.grammar, lm, grammar.description, grammar.exact_check)
+    return GrammarConstraint(language.grammar, lm, language.description, language.exact_check)
 
 
 class CompletionCheck(BlockPotential):

@@ -19,7 +19,8 @@ class Target:
         lm: the target language model.
         temperature: T > 0; p_T = softmax(logits / T).
         alpha: power > 0 (1 = plain sampling at temperature T).
-        constraints: boolean potentials phi_c in {0, 1}: `TokenConstraint`s, or genlm-control
+        constraints: boolean potentials phi_c in {0, 1}: `TokenConstraint`s, `Language`s
+            (`smc_sd.program.languages`: a regex, Lark grammar or JSON schema), or genlm-control
             `Potential`s over bytes or over the LM's tokens (`Regex`, `Grammar`, `JsonSchema`
             from `smc_sd.program.grammars`, genlm-control's BoolFSA, BoolCFG, JsonSchema, user
             subclasses), lowered to token masks by the compiler (llguidance where it can). They
