@@ -18,11 +18,9 @@ import json
 import sys
 import time
 
+# the parser needs no torch, so `smc-sd --help` answers at once; a command imports what it runs
 from smc_sd.backends.precision import DTYPES as HF_DTYPES
-from smc_sd.engine.result import AllParticlesDiedError
-from smc_sd.loading import load_models, model_precision
 from smc_sd.programs import MODULES
-from smc_sd.settings import check_device, check_model_choice, check_program, check_vllm_options, model_count, one_line, parsed_constraints
 
 
 # --dtype: "auto" is `smc_sd.backends.precision`'s choice on either backend; float16 is vLLM's only
@@ -91,6 +89,8 @@ def check_request(args):
     Raises:
         ValueError: naming the first bad setting.
     """
+    from smc_sd.settings import check_device, check_model_choice, check_program, check_vllm_options, parsed_constraints
+
     if not args.prompt.strip():
         raise ValueError("the prompt is empty; give some text")
     check_device(args.device)
@@ -140,6 +140,8 @@ def common_prefix(rows: list[list[int]]) -> list[int]:
 
 def generate(args) -> int:
     from smc_sd.backends.hf import chat_prompt
+    from smc_sd.loading import load_models, model_precision
+    from smc_sd.settings import model_count
 
     module, options, schedule = check_request(args)
     precision = model_precision(args)
@@ -190,6 +192,9 @@ def generate(args) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    from smc_sd.engine.result import AllParticlesDiedError
+    from smc_sd.settings import one_line
+
     try:
         if args.command == "serve":
             from smc_sd.serve.launch import serve

@@ -140,7 +140,7 @@ def no_model_loads(monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("a model was loaded before the bad input was refused")
 
-    monkeypatch.setattr(cli, "load_models", refuse)
+    monkeypatch.setattr("smc_sd.loading.load_models", refuse)
     monkeypatch.setattr(HFLanguageModel, "from_pretrained", refuse)
 
 

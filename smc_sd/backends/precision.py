@@ -16,8 +16,11 @@ from __future__ import annotations
 
 import pathlib
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
+# torch loads at the first choice: the command line's parser reads DTYPES without it
+if TYPE_CHECKING:
+    import torch
 
 #: the names `--dtype` takes for the hf backend
 DTYPES = ("auto", "float32", "bfloat16")
@@ -82,6 +85,8 @@ def choose_precision(name: str = "auto", device: str | torch.device = "cpu", cpu
     Raises:
         ValueError: for a name outside DTYPES.
     """
+    import torch
+
     if name not in DTYPES:
         raise ValueError(f"unknown dtype {name!r}; use one of {', '.join(DTYPES)}")
     if name != "auto":
@@ -101,4 +106,6 @@ def choose_precision(name: str = "auto", device: str | torch.device = "cpu", cpu
 
 def as_dtype(dtype: torch.dtype | str, device: str | torch.device = "cpu") -> torch.dtype:
     """A torch dtype as given, or the one a DTYPES name means on `device`."""
+    import torch
+
     return dtype if isinstance(dtype, torch.dtype) else choose_precision(dtype, device).dtype
