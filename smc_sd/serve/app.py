@@ -25,6 +25,7 @@ from fastapi import FastAPI
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.requests import Request as HTTPRequest
 
+from smc_sd.drafts import parse_draft
 from smc_sd.serve.errors import APIError, bad_request, engine_dead, run_failed
 from smc_sd.serve.metrics import CONTENT_TYPE, prometheus_text
 from smc_sd.serve.parsing import Parsed, ServedModel, parse
@@ -37,14 +38,16 @@ class Server:
     """The engine, the models its requests' programs run on, and the loop thread.
 
     Args:
-        engine: a `smc_sd.engine.batch.BatchEngine` over `target` and `draft`.
-        target, draft: the engine's models (draft None: only methods without a draft run).
+        engine: a `smc_sd.engine.batch.BatchEngine` over `target` and the drafts.
+        target: the engine's target.
+        drafts: the draft models the server loaded, by the name requests give in `draft` (the
+            first is the default; None or empty: the free draft alone, which needs no model).
         name: the model name clients send and /v1/models lists.
     """
 
-    def __init__(self, engine, target, draft, name: str):
-        self.engine, self.target, self.draft = engine, target, draft
-        self.model = ServedModel(name, target.tokenizer, target.vocabulary.size)
+    def __init__(self, engine, target, drafts: dict | None, name: str):
+        self.engine, self.target, self.drafts = engine, target, dict(drafts or {})
+        self.model = ServedModel(name, target.tokenizer, target.vocabulary.size, tuple(self.drafts))
         self.created = int(time.time())
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -61,12 +64,13 @@ class Server:
 
     def requests(self, parsed: Parsed) -> list:
         """One engine Request per choice: for each prompt, one per seed (choice index p * n + i)."""
-        from smc_sd.settings import model_count
         from smc_sd.engine.batch import Request
 
-        models = (self.target, self.draft)[: model_count(parsed)]
-        if None in models:
-            raise bad_request(f"method {parsed.method} needs a draft; this server was started without one", "method")
+        models = (self.target,)
+        if parsed.draft is not None:
+            # parsing has refused a draft the server did not load
+            choice = parse_draft(parsed.draft)
+            models += (self.drafts[choice.lm] if choice.has_lm else None,)
         program = parsed.module.program(*models, **parsed.options)
         return [Request(prompt, program, parsed.schedule, seed, parsed.stop) for prompt in parsed.prompts for seed in parsed.seeds]
 
@@ -175,7 +179,7 @@ async def complete(server: Server, client: HTTPRequest, endpoint: str):
 def choice_smc(server: Server, parsed: Parsed, request, result) -> dict:
     """The smc object of one choice."""
     draft_len = request.program.proposal.draft_len if request.program.proposal is not None else 0
-    return smc_object(result, request.seed, draft_len, parsed.stop, parsed.return_particles)
+    return {**smc_object(result, request.seed, draft_len, parsed.stop, parsed.return_particles), "draft": parsed.draft}
 
 
 def sse(obj) -> str:

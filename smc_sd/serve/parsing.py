@@ -8,6 +8,11 @@ Both endpoints read the OpenAI fields (`model`, `max_tokens` / `max_completion_t
 template), /v1/completions `prompt` (text, token ids, or a list of either). The SMC settings ride
 in the body under the CLI's names: `method`, `particles`, `draft_len`, `draft_temperature`,
 `ess_threshold`, `alpha`, `resampling`; `return_particles` adds every particle to the answer.
+`draft` chooses what proposes for sd, smc-sd and mask-at-verify: `free` (no model: tokens the
+constraints force and continuations found in the prompt and the text; every server has it) or
+the name of a draft the server loaded (`--draft`). Without it a request with a structured output
+(`response_format`, `structured_outputs`) takes the free draft, whose forced tokens cost nothing,
+and any other request the server's first `--draft`.
 
 Choice i of a request with seed s runs with seed s + i (as vLLM does for n > 1); without a seed
 the server draws one and reports it in each choice's `smc.seed`.
@@ -19,6 +24,7 @@ import secrets
 from dataclasses import dataclass
 from types import ModuleType, SimpleNamespace
 
+from smc_sd.drafts import FREE, parse_draft
 from smc_sd.program import Schedule
 from smc_sd.serve.errors import bad_request, unknown_model
 from smc_sd.serve.fields import ARRAY, BOOLEAN, INTEGER, NUMBER, OBJECT, STRING, check_fields, read, shown
@@ -34,7 +40,7 @@ SMC_FIELDS = (("method", STRING), ("particles", INTEGER), ("draft_len", INTEGER)
 #: the CLI's defaults of the settings that have one (particles, draft_len, draft_temperature: the method's)
 SMC_DEFAULTS = {"method": "smc-sd", "ess_threshold": 0.5, "alpha": 1.0, "resampling": "systematic"}
 COMMON = {"model", "max_tokens", "temperature", "seed", "n", "stop", "stream", "stream_options",
-          "response_format", "structured_outputs", "json_layout", "return_particles", *(name for name, _ in SMC_FIELDS)}
+          "response_format", "structured_outputs", "json_layout", "return_particles", "draft", *(name for name, _ in SMC_FIELDS)}
 SUPPORTED = {"chat": COMMON | {"messages", "max_completion_tokens"}, "completion": COMMON | {"prompt"}}
 #: fields not implemented, with the values that leave the output unchanged
 COMMON_NEUTRAL = {"top_p": (1,), "presence_penalty": (0,), "frequency_penalty": (0,), "logit_bias": ({},),
@@ -51,11 +57,23 @@ CHAT_ROLES = ("system", "developer", "user", "assistant")
 
 @dataclass(frozen=True)
 class ServedModel:
-    """What parsing needs of the served target: its name, tokenizer and vocabulary size V."""
+    """What parsing needs of the served target: its name, tokenizer and vocabulary size V, and
+    the drafts the server loaded (names as `--draft` gave them, the first the default; none when
+    it serves the free draft alone)."""
 
     name: str
     tokenizer: object
     vocabulary_size: int
+    drafts: tuple[str, ...] = ()
+
+    @property
+    def default_draft(self) -> str:
+        """The draft of a request that names none and has no structured output."""
+        return self.drafts[0] if self.drafts else FREE
+
+    def served_drafts(self) -> str:
+        """The drafts a request may name, for messages."""
+        return ", ".join((FREE, *self.drafts))
 
 
 @dataclass(frozen=True)
@@ -65,6 +83,7 @@ class Parsed:
     Attributes:
         endpoint: "chat" or "completion".
         method: the program's name ("ar", "sd", "smc-sd", "mask-at-verify").
+        draft: the draft it runs with ("free" or a loaded draft's name; None for ar).
         prompts: prompt token ids, one list per prompt (chat: one).
         module: the program module (`smc_sd.programs.get(method)`).
         options: the keyword options of `module.program`, constraints included.
@@ -78,6 +97,7 @@ class Parsed:
 
     endpoint: str
     method: str
+    draft: str | None
     prompts: list[list[int]]
     module: ModuleType
     options: dict
@@ -131,14 +151,40 @@ def parse(body, endpoint: str, model: ServedModel) -> Parsed:
         if getattr(settings, field) is None:
             setattr(settings, field, default)
     constraints = constraint_potentials(body)
+    settings.draft = request_draft(body, settings.method, bool(constraints), model)
     try:
         module, options, schedule = check_program(settings, constraints, spell)
     except ValueError as error:
         raise bad_request(" ".join(str(error).split())) from None
     if seed + n - 1 >= 2**64:
         raise bad_request(f"seed + n - 1 must be < 2^64, got {seed} + {n - 1}", "seed")
-    return Parsed(endpoint, settings.method, prompts, module, options, schedule, [seed + i for i in range(n)], stop_strings(body),
+    return Parsed(endpoint, settings.method, settings.draft, prompts, module, options, schedule, [seed + i for i in range(n)], stop_strings(body),
                   stream, include_usage, read(body, "return_particles", BOOLEAN, False))
+
+
+def request_draft(body: dict, method: str, structured: bool, model: ServedModel) -> str | None:
+    """The draft a request runs with (module docstring); None for a method that drafts nothing.
+
+    Raises:
+        APIError: 400 for a draft with ar, or a draft the server has not loaded (naming the
+            loaded ones).
+    """
+    from smc_sd.settings import model_count
+
+    draft = read(body, "draft", STRING)
+    if model_count(SimpleNamespace(method=method)) == 1:
+        if draft is not None:
+            raise bad_request(f"method {method} drafts nothing; drop draft", "draft")
+        return None
+    if draft is None:
+        return FREE if structured else model.default_draft
+    try:
+        choice = parse_draft(draft)
+    except ValueError as error:
+        raise bad_request(f"draft {shown(draft)}: {error}", "draft") from None
+    if choice.has_lm and choice.lm not in model.drafts:
+        raise bad_request(f"draft {shown(draft)} is not loaded on this server; it serves {model.served_drafts()}", "draft", "draft_not_loaded")
+    return draft
 
 
 def max_tokens(body: dict) -> int:

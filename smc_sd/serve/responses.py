@@ -10,8 +10,15 @@ The smc object of a choice (non-finite numbers become null, as JSON has no infin
     n_particles, resamples, target_passes, draft_passes
     ess                     the effective sample size after every cycle's weight update
     tokens_per_pass         positions every particle advanced per target pass
-    acceptance              sd: drafted tokens accepted / drafted; smc-sd: mean ESS / N over the
-                            cycles (the share of the draws the weights keep); ar: null
+    acceptance              sd, and any method with the free draft: proposed tokens accepted /
+                            proposed; smc-sd with a draft model: mean ESS / N over the cycles
+                            (the share of the draws the weights keep); ar: null
+    draft                   the draft the choice ran with ("free" or a loaded draft's name;
+                            null for ar)
+    block_lengths           with the free draft: {L: blocks} the block lengths its cost-aware choice
+                            verified (0: a plain decode); null otherwise
+    pass_cost               with the free draft: the pass-cost table the choice used (null when the
+                            block length was fixed)
     particles               with return_particles: every particle's text and normalised weight
 """
 
@@ -32,12 +39,13 @@ def finite(value: float) -> float | None:
 
 
 def acceptance(result: Result, draft_len: int) -> float | None:
-    """sd: accepted / drafted draft tokens; smc-sd: mean ESS / N; ar: None (module docstring)."""
-    if not result.cycles or draft_len == 0:
+    """sd and free drafts: accepted / proposed tokens; smc-sd: mean ESS / N; ar: None (module
+    docstring)."""
+    proposed = sum(c.proposed for c in result.cycles if c.proposed is not None)
+    if proposed:
+        return sum(c.accepted or 0 for c in result.cycles) / proposed
+    if not result.cycles or draft_len == 0 or any(c.proposed is not None for c in result.cycles):
         return None
-    accepted = [c.accepted for c in result.cycles if c.accepted is not None]
-    if accepted:
-        return sum(accepted) / (draft_len * len(accepted))
     return finite(sum(c.ess / c.particles for c in result.cycles) / len(result.cycles))
 
 
@@ -61,6 +69,8 @@ def smc_object(result: Result, seed: int, draft_len: int, stop: tuple[str, ...],
         "ess": [finite(c.ess) for c in result.cycles],
         "tokens_per_pass": (result.positions - 1) / result.target_passes if result.target_passes else None,
         "acceptance": acceptance(result, draft_len),
+        "block_lengths": None if result.free_draft is None else result.free_draft["block_lengths"],
+        "pass_cost": None if result.free_draft is None else result.free_draft["pass_cost"],
     }
     if return_particles:
         weights = normalised_weights(result.log_weights).tolist()
