@@ -15,10 +15,11 @@ import math
 import pytest
 
 from smc_sd.backends.dry_run import DryRunLM
+from smc_sd.backends.toy import ToyLM
 from smc_sd.engine.batch import BatchEngine, Request
 from smc_sd.metrics import empirical, total_variation, tv_tolerance
 from smc_sd.program import FreeDraft, Schedule
-from smc_sd.program.grammars import Regex
+from smc_sd.program.grammars import JsonSchema, Regex
 from smc_sd.program.potentials import as_token_constraint
 from smc_sd.programs import autoregressive, mask_at_verify, smc_speculative, speculative
 from tests.test_batch_engine import alone, assert_same_outcome, outcome
@@ -200,3 +201,22 @@ def test_a_backend_with_rows_of_one_length_serves_sd_free_and_refuses_smc_sd_fre
         error = outcome(handle)
         assert isinstance(error, ValueError) and "rows of different lengths" in str(error) and "\n" not in str(error)
     assert target.manager.pool.live == 0
+
+
+def test_batched_smc_sd_with_a_free_draft_checks_an_over_approximated_schema_exactly():
+    # oneOf read as anyOf lets 10..20 (in both branches) through the masks; the exact check at
+    # completion removes them from the target, with the free draft as with a draft model
+    schema = {"oneOf": [{"type": "integer", "minimum": 10}, {"type": "integer", "maximum": 20}]}
+    target = WordLM(["1", "2", "0"], seed=7)
+    draft = ToyLM.perturbed(target, 1.0)
+    potential = JsonSchema(schema)
+    budget, runs = 3, 300
+    masked, _ = target.completion_distribution(PROMPT, budget, constraint=as_token_constraint(potential, target))
+    valid = {x: p for x, p in masked.items() if potential.exact_check(target.decode(list(x)).encode())}
+    exact = {x: p / sum(valid.values()) for x, p in valid.items()}
+    tolerance = tv_tolerance(exact, runs)
+    assert total_variation(masked, exact) > tolerance + 0.05
+    program = smc_speculative.program(target, None, constraints=(potential,), free_draft=FreeDraft())
+    results = batched_samples(target, draft, program, PROMPT, Schedule(16, max_tokens=budget), runs, max_running=8)
+    assert all(r.complete for r in results)
+    assert total_variation(empirical([tuple(r.tokens) for r in results]), exact) < tolerance

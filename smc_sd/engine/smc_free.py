@@ -287,7 +287,12 @@ def cycle_stats(cycle: CycleProposals, ess: float, resampled: bool, log_z: float
 
 def conclude(plan, tokens: list[list[int]], logw: torch.Tensor, log_z: float, generator, result) -> Result:
     """The final weights under the budget (a string that is not complete gets weight zero), the
-    returned particle drawn ∝ them, and log Z_hat."""
+    returned particle drawn ∝ them, and log Z_hat.
+
+    The block-end potentials (here only the exact checks of constraints the masks
+    over-approximate: `check_settings` refuses any other with a free draft) score each complete
+    string x at the end: log w += log phi(x). The particles targeted p(x) 1[x in L_mask] with
+    L_mask ⊇ L, so the reweighted ones target p(x) 1[x in L] and log Z_hat stays unbiased."""
     eos = plan.target.vocabulary.eos_token_id
     if not torch.isfinite(logw).any():
         raise AllParticlesDiedError("every particle reached weight zero", result(logw, -math.inf, 0))
@@ -299,6 +304,12 @@ def conclude(plan, tokens: list[list[int]], logw: torch.Tensor, log_z: float, ge
             for i, ok in zip(cut, complete.tolist()):
                 if not ok:
                     final[i] = -math.inf
+    if plan.potential is not None:
+        scored = [i for i in range(len(tokens)) if math.isfinite(final[i])]
+        if scored:
+            # each string without its EOS
+            strings = [tokens[i][: tokens[i].index(eos)] if eos in tokens[i] else tokens[i] for i in scored]
+            final[scored] += torch.as_tensor(plan.potential.log_score(strings, [True] * len(scored)), dtype=torch.float64)
     if not torch.isfinite(final).any():
         chosen = int(torch.multinomial(normalised_weights(logw), 1, generator=generator))
         return result(logw, -math.inf, chosen, complete=False)
