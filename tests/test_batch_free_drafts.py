@@ -201,6 +201,9 @@ def test_a_backend_with_rows_of_one_length_serves_sd_free_and_refuses_smc_sd_fre
         error = outcome(handle)
         assert isinstance(error, ValueError) and "rows of different lengths" in str(error) and "\n" not in str(error)
     assert target.manager.pool.live == 0
+    # once the engine has seen rows of one length, it refuses such a request before it queues
+    with pytest.raises(ValueError, match="rows of different lengths"):
+        engine.check(smc)
 
 
 def test_batched_smc_sd_with_a_free_draft_checks_an_over_approximated_schema_exactly():

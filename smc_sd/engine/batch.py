@@ -236,6 +236,8 @@ class BatchEngine:
             raise ValueError("a free draft beside a draft model (free+NAME) does not run in the batched engine yet; use the free draft alone or Program.run")
         if proposal is not None and proposal.lm is not None and proposal.lm is not self.draft:
             raise ValueError("the request's draft model is not the engine's draft")
+        if proposal is not None and proposal.free is not None and program.verification == "importance" and schedule.particles > 1 and not self._keeps_ragged_rows():
+            raise ValueError(ONE_LENGTH_REFUSAL)
         if schedule.particles > self.table.max_slots:
             raise ValueError(f"{schedule.particles} particles exceed the engine's {self.table.max_slots} particle slots")
         if any(not isinstance(s, str) or not s for s in request.stop):
@@ -243,6 +245,11 @@ class BatchEngine:
         if request.stop and program.target.constraints:
             raise ValueError("stop strings cannot be combined with constraints: the constraint decides where the output ends")
         return compile_program(program, schedule, len(request.prompt))
+
+    def _keeps_ragged_rows(self) -> bool:
+        """False once the engine has seen that the target's rows keep one length (a join or the
+        rows held say so); True until then."""
+        return self._ragged and (self.target_rows.rows is None or self.target_rows.ragged)
 
     def _drop_cancelled(self) -> bool:
         with self._lock:
