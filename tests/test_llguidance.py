@@ -17,19 +17,7 @@ from smc_sd.program.grammars import Grammar, JsonSchema, Regex
 from smc_sd.program.llguidance_masks import GrammarConstraint, unpack_bitmask
 from smc_sd.program.potentials import BytePotentialConstraint, as_token_constraint
 from smc_sd.programs import mask_at_verify, smc_speculative
-from tests.toy_programs import PROMPT, sample_completions, target_and_draft
-
-
-class WordLM(ToyLM):
-    """A random toy LM whose tokens are the given strings (multi-byte tokens included), then EOS."""
-
-    def __init__(self, words: list[str], seed: int = 0):
-        base = ToyLM.random(len(words) + 1, seed=seed)
-        super().__init__(base.logits, len(words) + 1, name=f"words(seed={seed})")
-        self.words = words
-
-    def decode(self, token_ids: list[int]) -> str:
-        return "".join(self.words[t] for t in token_ids if t != self.vocabulary.eos_token_id)
+from tests.toy_programs import PROMPT, WordLM, sample_completions, target_and_draft
 
 
 def brute_force_masks(lm, prefixes, viable, complete) -> torch.Tensor:
