@@ -151,8 +151,9 @@ def program_options(module, settings, constraints: tuple, spell=flag) -> dict:
 def free_draft_option(settings, accepted, method: str) -> dict:
     """{"free_draft": FreeDraft(...)} when the settings' draft ("free" or "free+NAME") asks for one.
 
-    With "free" alone --draft-len sets the free draft's longest block (there is no draft LM
-    for it to set); with "free+NAME" it stays the draft LM's K.
+    With "free" alone --draft-len fixes the free draft's block length (every token found, up
+    to K: for experiments; without it the block length is chosen by the pass's cost); with
+    "free+NAME" it stays the draft LM's K.
 
     Raises:
         ValueError: for a method that verifies no free draft.
@@ -178,7 +179,7 @@ def free_draft_option(settings, accepted, method: str) -> dict:
             "cannot hold yet; use --backend hf, or sd or mask-at-verify with --draft free on vllm"
         )
     if not parse_draft(draft).has_lm and settings.draft_len is not None:
-        return {"free_draft": FreeDraft(max_len=settings.draft_len)}
+        return {"free_draft": FreeDraft(max_len=settings.draft_len, cost_aware=False)}
     return {"free_draft": FreeDraft()}
 
 

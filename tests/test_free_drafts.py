@@ -11,7 +11,8 @@ import math
 
 import pytest
 
-from smc_sd.engine.free_drafts import FreeDrafter
+from smc_sd.backends.pass_cost import CPU_BFLOAT16_NATIVE, CPU_FLOAT32, CUDA, PassCost
+from smc_sd.engine.free_drafts import DECAY, FreeDrafter, best_block_length
 from smc_sd.metrics import empirical, total_variation, tv_tolerance
 from smc_sd.program import FreeDraft, Schedule
 from smc_sd.program.grammars import Regex
@@ -77,15 +78,67 @@ def test_sd_at_temperature_zero_with_a_free_draft_is_greedy():
         assert program.run(REPEATING_PROMPT, Schedule(1, max_tokens=6), seed=seed).tokens == greedy
 
 
-def test_lookup_block_length_doubles_on_acceptance_and_falls_after_a_rejection():
-    drafter = FreeDrafter(FreeDraft(max_len=16), [0, 1, 2])
-    start = drafter.lookup_len
-    drafter.record(start, start)
-    assert drafter.lookup_len == min(2 * start, 16)
-    drafter.record(drafter.lookup_len, 2)
-    assert drafter.lookup_len == 3
-    drafter.record(0, 0)
-    assert drafter.lookup_len == 3
+def test_record_counts_the_tokens_each_verify_tested_by_source():
+    drafter = FreeDrafter(FreeDraft(), [0, 1, 2])
+    before = {source: list(counts) for source, counts in drafter.counts.items()}
+
+    def added(source):
+        return [after - DECAY * was for after, was in zip(drafter.counts[source], before[source])]
+
+    # 2 forced then 3 lookup tokens, 3 accepted: forced 2 of 2, lookup 1 accepted of the 2 tested
+    drafter.record(5, 2, 3)
+    assert added("forced") == pytest.approx([2, 2]) and added("lookup") == pytest.approx([1, 2])
+    before = {source: list(counts) for source, counts in drafter.counts.items()}
+    # the first forced token refused: the lookup tokens after it were never tested
+    drafter.record(5, 2, 0)
+    assert added("forced") == pytest.approx([0, 1]) and drafter.counts["lookup"] == before["lookup"]
+    drafter.record(0, 0, 0)
+    assert drafter.counts["lookup"] == before["lookup"]
+
+
+def test_best_block_length_proposes_exactly_where_it_pays():
+    # with c(n) = 1 + beta (n - 1) and constant acceptance a, one more proposed token pays iff
+    # (1 + a) / (1 + beta) > 1, i.e. a > beta; a near-free pass proposes all of a good block
+    linear = PassCost("linear", ((1, 1.0), (2, 1.3)))
+    assert best_block_length([0.29] * 6, linear) == 0
+    assert best_block_length([0.31] * 6, linear) >= 1
+    assert best_block_length([0.99] * 8, CUDA) == 8
+    assert best_block_length([0.0] * 8, CUDA) == 0 and best_block_length([], CPU_FLOAT32) == 0
+    # the same tokens are worth fewer positions where the pass is arithmetic-bound
+    good = [0.8] * 16
+    assert best_block_length(good, CPU_BFLOAT16_NATIVE) >= best_block_length(good, CPU_FLOAT32) >= 1
+    # a request of several rows fills the pass sooner: never longer blocks than one row
+    assert 1 <= best_block_length(good, CPU_FLOAT32, rows=4) <= best_block_length(good, CPU_FLOAT32, rows=1)
+
+
+def test_pass_cost_interpolates_its_points_and_refuses_bad_tables():
+    assert CPU_FLOAT32(0) == 0.0 and CPU_FLOAT32(1) == 1.0 and CPU_FLOAT32(5) == pytest.approx(1.8)
+    assert CPU_FLOAT32(3) == pytest.approx(1.4)
+    # past the last point, the last slope: (6.1 - 3.2) / 60 per position
+    assert CPU_FLOAT32(140) == pytest.approx(6.1 + 60 * (6.1 - 3.2) / 60)
+    with pytest.raises(ValueError, match="must start at"):
+        PassCost("bad", ((2, 1.0),))
+    with pytest.raises(ValueError, match="must increase"):
+        PassCost("bad", ((1, 1.0), (4, 0.9)))
+
+
+def test_sd_keeps_p_t_when_the_cost_makes_block_lengths_change_with_the_past(monkeypatch):
+    # each extra position costs 0.45 passes: a lookup pays only while its running acceptance
+    # stays above 0.45, so blocks switch between proposing and plain decodes as runs go
+    target, _ = target_and_draft(noise=2.0)
+    monkeypatch.setattr(type(target), "pass_cost", PassCost("steep", ((1, 1.0), (2, 1.45))))
+    max_tokens, n = 4, 5000
+    program = speculative.program(target, None, free_draft=LOOKUP)
+    lengths: dict[int, int] = {}
+    samples = []
+    for seed in range(n):
+        result = program.run(REPEATING_PROMPT, Schedule(1, max_tokens=max_tokens), seed=seed)
+        samples.append(tuple(result.tokens))
+        for length, blocks in result.free_draft["block_lengths"].items():
+            lengths[length] = lengths.get(length, 0) + blocks
+    assert lengths.get(0, 0) > n // 10 and sum(blocks for length, blocks in lengths.items() if length > 0) > n // 10
+    exact, _ = target.completion_distribution(REPEATING_PROMPT, max_tokens)
+    assert total_variation(empirical(samples), exact) < tv_tolerance(exact, n)
 
 
 def test_a_proposal_with_neither_model_nor_free_draft_is_refused():

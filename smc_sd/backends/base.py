@@ -33,6 +33,8 @@ from dataclasses import dataclass
 
 import torch
 
+from smc_sd.backends.pass_cost import CPU_FLOAT32, PassCost
+
 
 class TokenizerMismatchError(ValueError):
     """Raised when a draft and a target do not share one vocabulary."""
@@ -261,6 +263,12 @@ class LanguageModel(abc.ABC):
     def decode(self, token_ids: list[int]) -> str:
         """Text of token ids (special tokens dropped)."""
         return self.tokenizer.decode(token_ids, skip_special_tokens=True)
+
+    @property
+    def pass_cost(self) -> PassCost:
+        """What a pass over n new positions costs here, in one-position passes
+        (`smc_sd.backends.pass_cost`); a CPU in float32 unless the backend knows better."""
+        return CPU_FLOAT32
 
 
 def check_same_vocabulary(draft: LanguageModel, target: LanguageModel) -> None:

@@ -42,6 +42,7 @@ from smc_sd.backends.base import (
     check_truncate,
 )
 from smc_sd.backends.paged_hf import DEFAULT_BLOCK_SIZE, PagedHFSequences, PagedKV
+from smc_sd.backends.pass_cost import PassCost, pass_cost_for
 from smc_sd.backends.precision import as_dtype
 from smc_sd.backends.static_hf import StaticHFSequences, StaticRuntime
 
@@ -153,6 +154,10 @@ class HFLanguageModel(LanguageModel):
     @property
     def max_length(self) -> int:
         return self.model.config.max_position_embeddings
+
+    @property
+    def pass_cost(self) -> PassCost:
+        return pass_cost_for(self.model.device.type, str(self.model.dtype).removeprefix("torch."))
 
     @property
     def device(self) -> torch.device:

@@ -38,7 +38,7 @@ class FreeImportanceGroup(Group):
 
     def __init__(self, request, plan, table: SlotTable):
         super().__init__(request, plan, table)
-        self.free_drafter = FreeDrafter(plan.free, self.prompt, plan.masker)
+        self.free_drafter = FreeDrafter.for_plan(plan, self.prompt)
         self.cycle = None
 
     # --- the particles' state, read from the slot table ---------------------------------------

@@ -76,6 +76,8 @@ class Group:
         self.tokens_out = self.accepted = self.drafted = 0
         #: passes of the draft LM this request drew from
         self.draft_passes = 0
+        #: the free draft's proposer, for a request with a free draft
+        self.free_drafter: FreeDrafter | None = None
 
     @property
     def draft_len(self) -> int:
@@ -170,6 +172,7 @@ class Group:
             kv=kv,
             **mask_stats(plan.masker),
             complete=complete,
+            free_draft=None if self.free_drafter is None else self.free_drafter.report(),
         )
 
 
@@ -302,7 +305,7 @@ class SpeculativeGroup(Group):
 
     def __init__(self, request, plan, table: SlotTable):
         super().__init__(request, plan, table)
-        self.free_drafter = FreeDrafter(plan.free, self.prompt, plan.masker) if plan.free is not None else None
+        self.free_drafter = FreeDrafter.for_plan(plan, self.prompt) if plan.free is not None else None
         #: the cycle's block when it is not the draft LM's: the free draft's, or an empty one
         self.fixed_block: DraftBlock | None = None
         #: leading tokens of the free draft's block that the constraints force
@@ -379,7 +382,7 @@ class SpeculativeGroup(Group):
             raise AllParticlesDiedError("the constraints left the sequence no token of nonzero probability", self.result(None))
         proposed = draft.tokens.shape[1]
         if self.fixed_block is not None and proposed:
-            self.free_drafter.record(proposed - self.forced, max(0, accepted - self.forced))
+            self.free_drafter.record(proposed, self.forced, accepted)
         new = trim_at_eos(draft.tokens[0, :accepted].tolist() + [emitted], self.eos)[:budget]
         self.accepted += accepted
         self.drafted += proposed

@@ -77,6 +77,9 @@ class Result:
         complete: whether the returned particle's string satisfies the constraints (it ended
             with EOS or its string is complete); False only when no particle was complete at
             the token budget. Always True without constraints.
+        free_draft: with a free draft, what its block-length choice did
+            (`FreeDrafter.report`: block lengths chosen, the pass cost used, the running
+            acceptance); None otherwise.
     """
 
     method: str
@@ -95,6 +98,7 @@ class Result:
     mask_seconds: float = 0.0
     mask_row_seconds: tuple[float, ...] = ()
     complete: bool = True
+    free_draft: dict | None = None
 
     @property
     def tokens(self) -> list[int]:
@@ -212,6 +216,8 @@ class Result:
             "mask_seconds": self.mask_seconds,
             "collapsed_fraction": self.collapsed_fraction,
             "acceptance": self.acceptance,
+            "block_lengths": None if self.free_draft is None else self.free_draft["block_lengths"],
+            "pass_cost": None if self.free_draft is None else self.free_draft["pass_cost"],
         }
 
 

@@ -56,17 +56,18 @@ def first_tokens(plan, first_logits: torch.Tensor, generator) -> tuple[list[list
     return [[t] for t in first.tolist()], torch.full((plan.particles,), log_z0, dtype=torch.float64)
 
 
-def proposals(plan, drafter: FreeDrafter, tokens: list[list[int]], running: list[int]) -> tuple[list[list[int]], list]:
+def proposals(plan, drafter: FreeDrafter, tokens: list[list[int]], running: list[int]) -> tuple[list[list[int]], list, list[int]]:
     """The free draft's proposal of every running particle, cut at the first refused token, and
     the masks at each of its positions (all particles' in one mask call).
 
     Returns:
-        (proposals, masks): per running particle its tokens d and [len(d) + 1, V] bool masks
-        (None when unconstrained).
+        (proposals, masks, forced): per running particle its tokens d, [len(d) + 1, V] bool
+        masks (None when unconstrained) and how many of d's leading tokens are forced.
     """
-    proposed = [drafter.propose(tokens[i], plan.max_tokens - len(tokens[i]))[0] for i in running]
+    proposed, forced = zip(*[drafter.propose(tokens[i], plan.max_tokens - len(tokens[i])) for i in running]) if running else ((), ())
+    proposed = list(proposed)
     if plan.masker is None:
-        return proposed, [None] * len(running)
+        return proposed, [None] * len(running), list(forced)
     prefixes = [tokens[i] + d[:j] for i, d in zip(running, proposed) for j in range(len(d) + 1)]
     # [sum (len(d) + 1), V]: one call for every position of every particle
     masks, _ = plan.masker(prefixes, torch.ones(len(prefixes), dtype=torch.bool))
@@ -76,7 +77,7 @@ def proposals(plan, drafter: FreeDrafter, tokens: list[list[int]], running: list
         start += len(d) + 1
         kept = allowed_prefix(d, rows)
         out.append((d[:kept], rows[: kept + 1]))
-    return [d for d, _ in out], [m for _, m in out]
+    return [d for d, _ in out], [m for _, m in out], [min(f, len(d)) for f, (d, _) in zip(forced, out)]
 
 
 def extend_particle(plan, drafted: list[int], logits: torch.Tensor, masks, generator) -> tuple[list[int], list[float], int]:
@@ -146,6 +147,7 @@ class CycleProposals:
         distinct, copy_of: `distinct_rows` of them.
         drafted: per distinct row its proposal d.
         masks: per distinct row [len(d) + 1, V] bool masks, or None.
+        forced: per distinct row how many of d's leading tokens the constraints force.
     """
 
     running: list[int]
@@ -153,6 +155,7 @@ class CycleProposals:
     copy_of: list[int]
     drafted: list[list[int]]
     masks: list
+    forced: list[int]
 
     @property
     def width(self) -> int:
@@ -173,8 +176,8 @@ class CycleProposals:
 def propose_distinct(plan, drafter: FreeDrafter, tokens: list[list[int]], running: list[int]) -> CycleProposals:
     """The free draft's proposals of one cycle, one per distinct running particle."""
     distinct, copy_of = distinct_rows(tokens, running)
-    drafted, masks = proposals(plan, drafter, tokens, [running[r] for r in distinct])
-    return CycleProposals(running, distinct, copy_of, drafted, masks)
+    drafted, masks, forced = proposals(plan, drafter, tokens, [running[r] for r in distinct])
+    return CycleProposals(running, distinct, copy_of, drafted, masks, forced)
 
 
 def extend_running(plan, drafter: FreeDrafter, cycle: CycleProposals, logits: torch.Tensor, tokens: list[list[int]], logw: torch.Tensor, generator, stop_at=None) -> tuple[list[int], list[int], list[bool]]:
@@ -209,7 +212,7 @@ def extend_running(plan, drafter: FreeDrafter, cycle: CycleProposals, logits: to
         accepted_out.append(accepted)
         added.append(len(new))
         stopped.append(column is not None)
-        drafter.record(len(d), accepted)
+        drafter.record(len(d), cycle.forced[u], accepted)
     return accepted_out, added, stopped
 
 
@@ -223,7 +226,7 @@ def run_smc_free(plan, prompt: list[int], generator: torch.Generator, on_cycle=N
     start = time.perf_counter()
     n, eos = plan.particles, plan.target.vocabulary.eos_token_id
     target_rows, first_logits = plan.target.open(prompt, n)
-    drafter = FreeDrafter(plan.free, prompt, plan.masker)
+    drafter = FreeDrafter.for_plan(plan, prompt)
     try:
         tokens, logw = first_tokens(plan, first_logits, generator)
         log_z = 0.0
@@ -235,7 +238,7 @@ def run_smc_free(plan, prompt: list[int], generator: torch.Generator, on_cycle=N
                 finished=[eos in row for row in tokens], log_weights=final_logw, log_ml=final_log_z, chosen=chosen, cycles=cycles,
                 target_passes=len(cycles), draft_passes=0, seconds=time.perf_counter() - start,
                 decode=plan.target.decode, kv=kv_memory(target_rows),
-                **mask_stats(plan.masker), complete=complete,
+                **mask_stats(plan.masker), complete=complete, free_draft=drafter.report(),
             )
 
         if not torch.isfinite(logw).any():

@@ -170,7 +170,7 @@ def run_speculative(plan, prompt: list[int], generator: torch.Generator, on_cycl
     first_mask = first_token_mask(plan.masker)
     target_rows, first_logits = plan.target.open(prompt, 1)
     draft_rows = plan.draft.open(prompt, 1)[0] if plan.draft is not None else None
-    drafter = FreeDrafter(plan.free, prompt, plan.masker) if plan.free is not None else None
+    drafter = FreeDrafter.for_plan(plan, prompt) if plan.free is not None else None
     try:
         tokens: list[int] = []
         cycles: list[CycleStats] = []
@@ -194,6 +194,7 @@ def run_speculative(plan, prompt: list[int], generator: torch.Generator, on_cycl
                 **mask_stats(plan.masker),
                 # under constraints a string cut by the budget may be incomplete
                 complete=plan.masker is None or eos in tokens or bool(plan.masker.complete([tokens])[0]),
+                free_draft=None if drafter is None else drafter.report(),
             )
 
         first = first_token(plan, first_logits, first_mask, generator)
@@ -232,7 +233,7 @@ def run_speculative(plan, prompt: list[int], generator: torch.Generator, on_cycl
             else:
                 draft_unseen += drafted[:accepted].tolist() + [emitted]
             if free is not None:
-                drafter.record(drafted.numel() - forced, max(0, accepted - forced))
+                drafter.record(drafted.numel(), forced, accepted)
             new = trim_at_eos(drafted[:accepted].tolist() + [emitted], eos)
             new = new[: plan.max_tokens - len(tokens)]
             tokens += new

@@ -53,14 +53,17 @@ class FreeDraft:
         forced: propose the tokens the constraints force.
         lookup: propose continuations found by lookup.
         min_match: the shortest suffix of the text (in tokens) a lookup match must repeat.
-        max_len: the most tokens one block proposes (the lookup's block length adapts below it
-            to the acceptance it measures).
+        max_len: the most tokens one block proposes.
+        cost_aware: propose the block length that maximises expected emitted tokens per unit of
+            the target's pass cost (`smc_sd.engine.free_drafts.best_block_length`); False
+            proposes every token found, up to max_len (a fixed block length, for experiments).
     """
 
     forced: bool = True
     lookup: bool = True
     min_match: int = 2
     max_len: int = 16
+    cost_aware: bool = True
 
 
 @dataclass(frozen=True)
