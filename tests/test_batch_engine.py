@@ -105,6 +105,20 @@ def test_each_request_of_a_mixed_batch_returns_what_program_run_returns(max_runn
     assert engine.table.free == 20 and engine.target_rows.rows is None and engine.draft_rows.rows is None
 
 
+def test_requests_drafting_with_different_draft_models_share_the_target_pass():
+    target, draft = target_and_draft(noise=1.0)
+    other = ToyLM.perturbed(target, 2.5, seed=11)
+    requests = mixed_requests(target, draft, 18) + mixed_requests(target, other, 18)
+    requests = [r for pair in zip(requests[:18], requests[18:]) for r in pair]
+    engine = BatchEngine(target, [draft, other], max_running=8, max_slots=40)
+    handles = run_all(engine, requests)
+    for request, handle in zip(requests, handles):
+        assert_same_outcome(outcome(handle), alone(request))
+    assert engine.table.free == 40 and engine.target_rows.rows is None and all(rows.rows is None for rows in engine.draft_sets)
+    with pytest.raises(ValueError, match="not one of the engine's drafts"):
+        engine.submit(Request(PROMPT, speculative.program(target, ToyLM.perturbed(target, 1.0)), Schedule(1)))
+
+
 def test_run_many_equals_program_run_for_every_seed():
     target, draft = target_and_draft(noise=1.0)
     program = smc_speculative.program(target, draft, draft_len=3)
@@ -291,7 +305,7 @@ def test_bad_requests_are_refused_before_they_join():
     cases = [
         (Request([], program, Schedule(2)), ValueError, "prompt is empty"),
         (Request(PROMPT, autoregressive.program(other), Schedule(1)), ValueError, "not the engine's target"),
-        (Request(PROMPT, smc_speculative.program(target, other), Schedule(2)), ValueError, "not the engine's draft"),
+        (Request(PROMPT, smc_speculative.program(target, other), Schedule(2)), ValueError, "not one of the engine's drafts"),
         (Request(PROMPT, program, Schedule(9)), ValueError, "9 particles exceed the engine's 8"),
         (Request(PROMPT, program, Schedule(2), stop=("",)), ValueError, "non-empty"),
         (Request(PROMPT, smc_speculative.program(target, draft, constraints=(language_constraint(),)), Schedule(2), stop=("a",)), ValueError, "stop strings cannot be combined"),

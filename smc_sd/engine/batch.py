@@ -9,8 +9,9 @@ free slots of the `SlotTable`. One cycle (`step`):
    target's (and draft's) rows, and their particles draw their first tokens (`Group.begin`);
 2. the rows are reseated: the rows of finished particles are dropped, resampled ones copied
    (block pointers, not KV), every row rolled back to its canonical length;
-3. the draft reads the last two tokens of every prefix, then proposes in K_max passes of
-   [B_d, 1] tokens, K_max the largest K running; request g draws at the first K_g of them;
+3. each draft model reads the last two tokens of every prefix of its rows, then proposes in
+   K_max passes of [B_d, 1] tokens, K_max the largest K among the requests drafting with it;
+   request g draws at the first K_g of them;
 4. the target reads [last token, block, EOS filler up to the widest block] of every row in ONE
    pass; a block is K drafted tokens, or a free draft's proposal (`Group.target_width`: rows
    read blocks of different lengths and keep what their verification accepted);
@@ -78,27 +79,31 @@ class _Entry:
 
 
 class BatchEngine:
-    """Many requests' particles in one batch over a target and an optional draft.
+    """Many requests' particles in one batch over a target and optional draft models.
 
     Args:
         target: the target model every request's program names.
-        draft: the draft model, or None (then only programs without a draft run).
+        draft: the draft model, a list of draft models (each request's program names one of
+            them; each has its rows and its passes), or None (then only programs without a
+            draft model run).
         max_running: requests in the batch at once, at most.
         max_waiting: requests queued, at most (`submit` raises QueueFullError past it).
         max_slots: particles of all running requests together, at most (default
             max_running · SLOTS_PER_REQUEST).
     """
 
-    def __init__(self, target: LanguageModel, draft: LanguageModel | None, max_running: int = 16, max_waiting: int = 256, max_slots: int | None = None):
+    def __init__(self, target: LanguageModel, draft: LanguageModel | list[LanguageModel] | None, max_running: int = 16, max_waiting: int = 256, max_slots: int | None = None):
         if max_running < 1 or max_waiting < 0:
             raise ValueError(f"max_running must be >= 1 and max_waiting >= 0, got {max_running} and {max_waiting}")
-        if draft is not None:
-            check_same_vocabulary(draft, target)
-        self.target, self.draft = target, draft
+        drafts = [] if draft is None else list(draft) if isinstance(draft, (list, tuple)) else [draft]
+        for lm in drafts:
+            check_same_vocabulary(lm, target)
+        self.target = target
         self.max_running, self.max_waiting = max_running, max_waiting
         self.table = SlotTable(max_slots or max_running * SLOTS_PER_REQUEST, target.max_length)
         self.target_rows = RowSet(target)
-        self.draft_rows = RowSet(draft) if draft is not None else None
+        #: the rows of each draft model
+        self.draft_sets = [RowSet(lm) for lm in drafts]
         self.dead: BaseException | None = None
         self._running: list[_Entry] = []
         self._waiting: deque[_Entry] = deque()
@@ -107,6 +112,11 @@ class BatchEngine:
         # cleared at the first join a backend refuses: then one request runs at a time
         self._ragged = True
         self._totals = {"tokens_total": 0, "target_passes_total": 0, "accepted_total": 0, "drafted_total": 0, "resamples_total": 0}
+
+    @property
+    def draft_rows(self) -> RowSet | None:
+        """The first draft model's rows, or None without a draft model."""
+        return self.draft_sets[0] if self.draft_sets else None
 
     # --- the public door ------------------------------------------------------------------
 
@@ -210,8 +220,8 @@ class BatchEngine:
             if group.plan.verification == "importance" and group.cycles:
                 ess.append(group.cycles[-1].ess / group.plan.particles)
         blocks = 0
-        for rows in (self.target_rows, self.draft_rows):
-            memory = rows.memory() if rows is not None else None
+        for rows in (self.target_rows, *self.draft_sets):
+            memory = rows.memory()
             blocks += memory.get("live_blocks", 0) if memory else 0
         return {
             "requests_running": len(running),
@@ -234,8 +244,8 @@ class BatchEngine:
         proposal = program.proposal
         if proposal is not None and proposal.free is not None and proposal.lm is not None:
             raise ValueError("a free draft beside a draft model (free+NAME) does not run in the batched engine yet; use the free draft alone or Program.run")
-        if proposal is not None and proposal.lm is not None and proposal.lm is not self.draft:
-            raise ValueError("the request's draft model is not the engine's draft")
+        if proposal is not None and proposal.lm is not None and all(proposal.lm is not rows.lm for rows in self.draft_sets):
+            raise ValueError("the request's draft model is not one of the engine's drafts")
         if proposal is not None and proposal.free is not None and program.verification == "importance" and schedule.particles > 1 and not self._keeps_ragged_rows():
             raise ValueError(ONE_LENGTH_REFUSAL)
         if schedule.particles > self.table.max_slots:
@@ -288,7 +298,7 @@ class BatchEngine:
         with self._lock:
             self._running.extend(entries)
         try:
-            joined = join_groups(self.target_rows, self.draft_rows, [e.group for e in entries])
+            joined = join_groups(self.target_rows, self.draft_sets, [e.group for e in entries])
         except NotImplementedError as error:
             if not self._ragged:
                 # one request alone was refused: nothing to fall back to
@@ -322,20 +332,9 @@ class BatchEngine:
         target_rows = [self.table.target_row[g.seats()[1]] for g in groups]
         draft_rows = [self.table.draft_row[g.live()] if g.has_draft else None for g in groups]
         healthy = [self._attempt(e, g.prepare) for e, g in zip(entries, groups)]
-        k_max = max((g.draft_len for g in groups if g.has_draft), default=0)
-        if k_max:
-            # [B_d, 2]: the last two tokens of every draft row's prefix (EOS on failed requests)
-            feed = torch.full((self.draft_rows.size, 2), eos, dtype=torch.int64)
-            for g, ok, rows in zip(groups, healthy, draft_rows):
-                if ok and rows is not None:
-                    feed[rows] = g.draft_feed()
-            for j in range(k_max):
-                # [B_d, V]: the draft's logits after each row's last fed token
-                logits = self.draft_rows.extend(feed)[:, -1]
-                feed = torch.full((self.draft_rows.size, 1), eos, dtype=torch.int64)
-                for i, (e, g, rows) in enumerate(zip(entries, groups, draft_rows)):
-                    if healthy[i] and rows is not None and j < g.draft_len:
-                        healthy[i] = self._attempt(e, self._draw, g, logits, rows, feed)
+        for rows in self.draft_sets:
+            uses = [g.has_draft and g.plan.draft is rows.lm for g in groups]
+            self._draft_passes(rows, entries, [r if use else None for r, use in zip(draft_rows, uses)], healthy)
         widths = [g.target_width() if ok else 1 for g, ok in zip(groups, healthy)]
         width = max(widths)
         # [B_t, width]: last token, drafted block, EOS filler (all filler on failed requests)
@@ -352,6 +351,33 @@ class BatchEngine:
         for e, ok in zip(entries, healthy):
             if ok:
                 self._finish_or_report(e)
+
+    def _draft_passes(self, draft: RowSet, entries: list[_Entry], rows_of: list[torch.Tensor | None], healthy: list[bool]) -> None:
+        """One draft model's passes: its rows read the last two tokens of every prefix, then
+        K_max passes of [B_d, 1] (K_max the largest K of the requests drafting with it); request
+        g draws at the first K_g. A request whose draw fails turns unhealthy.
+
+        Args:
+            rows_of: per running request its rows in `draft` ([A] int64), or None when it does
+                not draft with this model.
+        """
+        eos = self.target.vocabulary.eos_token_id
+        groups = [e.group for e in entries]
+        k_max = max((g.draft_len for g, rows in zip(groups, rows_of) if rows is not None), default=0)
+        if not k_max:
+            return
+        # [B_d, 2]: the last two tokens of every draft row's prefix (EOS on failed requests)
+        feed = torch.full((draft.size, 2), eos, dtype=torch.int64)
+        for g, ok, rows in zip(groups, healthy, rows_of):
+            if ok and rows is not None:
+                feed[rows] = g.draft_feed()
+        for j in range(k_max):
+            # [B_d, V]: the draft's logits after each row's last fed token
+            logits = draft.extend(feed)[:, -1]
+            feed = torch.full((draft.size, 1), eos, dtype=torch.int64)
+            for i, (e, g, rows) in enumerate(zip(entries, groups, rows_of)):
+                if healthy[i] and rows is not None and j < g.draft_len:
+                    healthy[i] = self._attempt(e, self._draw, g, logits, rows, feed)
 
     @staticmethod
     def _draw(group: Group, logits: torch.Tensor, rows: torch.Tensor, feed: torch.Tensor) -> None:
@@ -373,14 +399,14 @@ class BatchEngine:
             self._report(entry)
             return
         try:
-            result = entry.group.result(kv_memory(self.target_rows, self.draft_rows))
+            result = entry.group.result(kv_memory(self.target_rows, *self.draft_sets))
         except Exception as error:
             self._leave(entry, None, error)
             return
         self._leave(entry, result, None)
 
     def _reseat(self) -> None:
-        reseat_groups(self.table, self.target_rows, self.draft_rows, [e.group for e in self._running])
+        reseat_groups(self.table, self.target_rows, self.draft_sets, [e.group for e in self._running])
 
     # --- requests leaving -----------------------------------------------------------------
 
@@ -432,9 +458,8 @@ class BatchEngine:
         for entry in entries:
             if not entry.handle.done:
                 self._leave(entry, None, error)
-        for rows in (self.target_rows, self.draft_rows):
-            if rows is not None:
-                rows.close()
+        for rows in (self.target_rows, *self.draft_sets):
+            rows.close()
 
 
 def group_kind(plan) -> type[Group]:

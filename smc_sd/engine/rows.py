@@ -94,16 +94,17 @@ class RowSet:
             self.rows = None
 
 
-def join_groups(target_rows: RowSet, draft_rows: RowSet | None, groups: list) -> list[tuple[tuple[int, int], torch.Tensor]]:
+def join_groups(target_rows: RowSet, draft_sets: list[RowSet], groups: list) -> list[tuple[tuple[int, int], torch.Tensor]]:
     """Add every joining group's N rows after the rows held, to the target's rows and (for a
-    group with a draft) the draft's, the prompts of all groups in one `join_many` per model.
+    group with a draft) its draft's, the prompts of all groups in one `join_many` per model.
 
     Args:
+        draft_sets: the rows of each draft model the engine holds.
         groups: the joining `smc_sd.engine.groups.Group`s, in running order.
 
     Returns:
-        per group ((its first target row, its first draft row), [V] target logits after its
-        prompt).
+        per group ((its first target row, its first row in its draft's rows), [V] target
+        logits after its prompt).
 
     Raises:
         NotImplementedError: when a backend keeps rows of one length (nothing changed then).
@@ -114,47 +115,52 @@ def join_groups(target_rows: RowSet, draft_rows: RowSet | None, groups: list) ->
     # [G]: each group's first row: the rows held, then the groups before it
     target_bases = (target_base + torch.cumsum(torch.tensor([0] + counts[:-1]), 0)).tolist()
     draft_bases = [0] * len(groups)
-    drafting = [i for i, g in enumerate(groups) if g.has_draft]
-    if drafting:
-        draft_base = draft_rows.size
+    joined: list[tuple[RowSet, int]] = []
+    for rows in draft_sets:
+        drafting = [i for i, g in enumerate(groups) if g.plan.draft is rows.lm]
+        if not drafting:
+            continue
+        draft_base = rows.size
         try:
-            draft_rows.join_many([groups[i].prompt for i in drafting], [counts[i] for i in drafting])
+            rows.join_many([groups[i].prompt for i in drafting], [counts[i] for i in drafting])
         except NotImplementedError:
             target_rows.keep_first(target_base)
+            for earlier, size in joined:
+                earlier.keep_first(size)
             raise
+        joined.append((rows, draft_base))
         offsets = torch.cumsum(torch.tensor([0] + [counts[i] for i in drafting][:-1]), 0).tolist()
         for i, offset in zip(drafting, offsets):
             draft_bases[i] = draft_base + offset
     return [((t, d), l) for t, d, l in zip(target_bases, draft_bases, logits)]
 
 
-def reseat_groups(table, target_rows: RowSet, draft_rows: RowSet | None, groups: list) -> None:
+def reseat_groups(table, target_rows: RowSet, draft_sets: list[RowSet], groups: list) -> None:
     """Make the rows, group after group, those of each group's seated particles (`Group.seats`:
     its unfinished particles in particle order, copies holding equal tokens sharing one row), a
-    target row holding its prompt and generated tokens but the last, a draft row all but the
-    last two (lengths per slot, `SlotTable.length`); renumber the table's `target_row` and
-    `draft_row` to match.
+    target row holding its prompt and generated tokens but the last, a row of the group's draft
+    all but the last two (lengths per slot, `SlotTable.length`); renumber the table's
+    `target_row` and `draft_row` (a row of the group's draft) to match.
 
     Args:
         table: the engine's `SlotTable`; its rows name each particle's row now held.
+        draft_sets: the rows of each draft model the engine holds.
         groups: the running groups, in running order.
     """
-    sources = {"target": [], "draft": []}
-    lengths = {"target": [], "draft": []}
-    offsets = {"target": 0, "draft": 0}
+    row_sets = [target_rows, *draft_sets]
+    sources: list[list[torch.Tensor]] = [[] for _ in row_sets]
+    lengths: list[list[torch.Tensor]] = [[] for _ in row_sets]
+    offsets = [0] * len(row_sets)
     for group in groups:
         live, seated, seat_of = group.seats()
-        for name, row_of, behind, used in (
-            ("target", table.target_row, 1, True),
-            ("draft", table.draft_row, 2, group.has_draft),
-        ):
-            if not used:
-                continue
-            sources[name].append(row_of[seated])
-            lengths[name].append(len(group.prompt) + table.length[seated] - behind)
-            row_of[live] = offsets[name] + seat_of
-            offsets[name] += seated.numel()
+        uses = [(0, table.target_row, 1)]
+        if group.has_draft:
+            uses.append((1 + [rows.lm for rows in draft_sets].index(group.plan.draft), table.draft_row, 2))
+        for k, row_of, behind in uses:
+            sources[k].append(row_of[seated])
+            lengths[k].append(len(group.prompt) + table.length[seated] - behind)
+            row_of[live] = offsets[k] + seat_of
+            offsets[k] += seated.numel()
     empty = torch.empty(0, dtype=torch.int64)
-    for name, rows in (("target", target_rows), ("draft", draft_rows)):
-        if rows is not None:
-            rows.reseat(torch.cat(sources[name] or [empty]), torch.cat(lengths[name] or [empty]))
+    for k, rows in enumerate(row_sets):
+        rows.reseat(torch.cat(sources[k] or [empty]), torch.cat(lengths[k] or [empty]))
