@@ -134,6 +134,40 @@ def test_concurrent_free_draft_json_schema_requests_all_validate(free_server):
     assert after["smc_sd_target_passes_total"] - before["smc_sd_target_passes_total"] < cycles
 
 
+@model
+def test_a_server_serves_several_drafts_each_request_its_own():
+    server = ServerProcess("--draft", "distilled,self", "--max-running", "8")
+    try:
+        client = server.client()
+
+        def ask(draft):
+            extra = {"method": "smc-sd", "particles": 2, "draft_len": 2} | ({} if draft is None else {"draft": draft})
+            return client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=10, seed=4, extra_body=extra)
+
+        before = server.metrics()
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+            answers = dict(zip(["distilled", "self", "free", None], pool.map(ask, ["distilled", "self", "free", None])))
+        # the first --draft is the default
+        assert {name: smc(a.choices[0])["draft"] for name, a in answers.items()} == {"distilled": "distilled", "self": "self", "free": "free", None: "distilled"}
+        assert all(smc(answers[name].choices[0])["draft_passes"] > 0 for name in ("distilled", "self"))
+        assert server.metrics()["smc_sd_target_passes_total"] > before["smc_sd_target_passes_total"]
+        with pytest.raises(openai.BadRequestError, match='draft "feature" is not loaded on this server; it serves free, distilled, self'):
+            ask("feature")
+    finally:
+        server.stop()
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--draft", "self,self"], "--draft self,self: a draft is named twice"),
+    (["--draft", "self,,distilled"], "an empty draft name"),
+    (["--draft", "self,distilled", "--backend", "vllm"], "several draft models run on --backend hf only"),
+])
+def test_bad_lists_of_drafts_are_refused_in_one_line(capsys, flags, message):
+    status = main(["serve", "--port", "0", *flags])
+    err = capsys.readouterr().err
+    assert status == 2 and err.count("\n") == 1 and message in err
+
+
 def test_smc_sd_with_the_free_draft_on_vllm_is_refused_in_one_line_before_anything_loads(capsys):
     status = main(["generate", "hi", "--method", "smc-sd", "--draft", "free", "--backend", "vllm"])
     err = capsys.readouterr().err

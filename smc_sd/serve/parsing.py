@@ -58,18 +58,19 @@ CHAT_ROLES = ("system", "developer", "user", "assistant")
 @dataclass(frozen=True)
 class ServedModel:
     """What parsing needs of the served target: its name, tokenizer and vocabulary size V, and
-    the drafts the server loaded (names as `--draft` gave them, the first the default; none when
-    it serves the free draft alone)."""
+    the drafts the server loaded (names as `--draft` gave them; none when it serves the free
+    draft alone) and the default of requests that name none (None: the first loaded, else free)."""
 
     name: str
     tokenizer: object
     vocabulary_size: int
     drafts: tuple[str, ...] = ()
+    default: str | None = None
 
     @property
     def default_draft(self) -> str:
         """The draft of a request that names none and has no structured output."""
-        return self.drafts[0] if self.drafts else FREE
+        return self.default or (self.drafts[0] if self.drafts else FREE)
 
     def served_drafts(self) -> str:
         """The drafts a request may name, for messages."""
