@@ -26,6 +26,24 @@ from smc_sd.programs import MODULES
 # --dtype: "auto" is `smc_sd.backends.precision`'s choice on either backend; float16 is vLLM's only
 DTYPES = [*HF_DTYPES, "float16"]
 
+# What the bare command runs (README, "Defaults"): exact speculative decoding with the free draft,
+# greedy. Its law is the target's; the free draft costs no model pass and proposes only where a
+# pass over its tokens pays; and the 135M model samples poorly: at T = 0.3 a third of its answers
+# to "What is the capital of France?" start in French (its first token: "The" 0.46, "L" 0.35).
+DEFAULT_METHOD = "sd"
+DEFAULT_DRAFT = "free"
+#: smc-sd's default temperature: it weights samples, so it needs T > 0
+SMC_TEMPERATURE = 0.3
+
+
+def apply_generate_defaults(args) -> None:
+    """Fill the flags left unset with the defaults above: T = 0 (SMC_TEMPERATURE for smc-sd),
+    and the free draft for every method that takes a draft."""
+    if args.temperature is None:
+        args.temperature = SMC_TEMPERATURE if args.method == "smc-sd" else 0.0
+    if args.draft is None and args.method != "ar":
+        args.draft = DEFAULT_DRAFT
+
 
 class ArgumentParser(argparse.ArgumentParser):
     """argparse whose errors are one line, `smc-sd: error: ...`, with exit status 2."""
@@ -39,11 +57,11 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
     g = commands.add_parser("generate", help="sample a completion of one prompt")
     g.add_argument("prompt", help="an instruction (wrapped in the chat template unless --raw)")
-    g.add_argument("--method", choices=sorted(MODULES), default="smc-sd")
+    g.add_argument("--method", choices=sorted(MODULES), default=DEFAULT_METHOD, help=f"the decoding program (default {DEFAULT_METHOD}: exact speculative decoding, whose output law is the target's)")
     g.add_argument("--particles", type=int, default=None, help="N (default: the method's own, 4 for smc-sd)")
     g.add_argument("--draft-len", type=int, default=None, help="K, draft tokens per particle per cycle (default 4)")
     g.add_argument("--max-new-tokens", type=int, default=128)
-    g.add_argument("--temperature", type=float, default=1.0, help="target temperature T (0: greedy decoding, ar and sd only)")
+    g.add_argument("--temperature", type=float, default=None, help=f"target temperature T (0: greedy decoding, ar, sd and mask-at-verify only; default 0 for them, {SMC_TEMPERATURE} for smc-sd, which samples and needs T > 0)")
     g.add_argument("--draft-temperature", type=float, default=None, help="draft temperature T_d (default 1)")
     g.add_argument("--alpha", type=float, default=1.0, help="power: sample p_T(x)^alpha")
     g.add_argument("--ess-threshold", type=float, default=0.5, help="resample when ESS < tau N")
@@ -70,10 +88,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def add_model_flags(g: argparse.ArgumentParser) -> None:
     """The flags that choose the models and where they run (generate and serve)."""
-    g.add_argument("--target", default=None, help="local transformers model directory (default: SmolLM2-135M-Instruct)")
-    g.add_argument("--draft", default=None, help="local model directory sharing the target's tokenizer, a draft saved by smc_sd.models.distill or smc_sd.models.feature_distill, 'self' (the default model without decoder layer 5, the default), 'distilled' (the shipped distilled draft) or 'feature' (the shipped feature-reading draft); distilled and feature drafts run on --backend hf only; 'free' (no model: tokens the constraints force and continuations found in the prompt and the text so far, verified by sd or mask-at-verify) or 'free+NAME' (free where it proposes, the draft NAME elsewhere)")
+    g.add_argument("--target", default=None, help="local transformers model directory, or a GGUF file with --backend llama-cpp (default: SmolLM2-135M-Instruct)")
+    g.add_argument("--draft", default=None, help="local model directory sharing the target's tokenizer, a draft saved by smc_sd.models.distill or smc_sd.models.feature_distill, 'self' (the default model without decoder layer 5), 'distilled' (the shipped distilled draft) or 'feature' (the shipped feature-reading draft); distilled and feature drafts run on --backend hf only; 'free' (no model: tokens the constraints force and continuations found in the prompt and the text so far, verified by sd or mask-at-verify) or 'free+NAME' (free where it proposes, the draft NAME elsewhere); with --backend llama-cpp a GGUF file, 'free' or 'free+FILE.gguf'. generate's default: free")
     g.add_argument("--device", default="cpu", help="cpu or cuda")
-    g.add_argument("--backend", choices=["hf", "vllm"], default="hf", help="transformers (hf) or a vLLM engine per model")
+    g.add_argument("--backend", choices=["hf", "vllm", "llama-cpp"], default="hf", help="transformers (hf), a vLLM engine per model, or llama.cpp (llama-cpp: GGUF files; needs the llama extra, README)")
     g.add_argument("--tensor-parallel-size", type=int, default=None, help="vllm: GPUs each model is split over (default 1)")
     g.add_argument("--gpu-memory-utilization", type=float, default=None, help="vllm: fraction of GPU memory per engine (default 0.9)")
     g.add_argument("--dtype", default="auto", choices=DTYPES, help="weights, activations and KV of both models (logits stay float32): auto (the default: bfloat16 where the processor multiplies bf16 natively, i.e. x86 amx_bf16 or avx512_bf16, or CUDA bf16 support; else float32), float32, bfloat16, or float16 (vllm only)")
@@ -143,6 +161,7 @@ def generate(args) -> int:
     from smc_sd.loading import load_models, model_precision
     from smc_sd.settings import model_count
 
+    apply_generate_defaults(args)
     module, options, schedule = check_request(args)
     precision = model_precision(args)
     started = time.perf_counter()

@@ -79,14 +79,14 @@ def test_mask_at_verify_output_validates(default_lm, default_draft):
 def test_cli_json_schema_flag(tmp_path, capsys):
     path = tmp_path / "schema.json"
     path.write_text(json.dumps(SCHEMAS["enum"]))
-    code = main(["generate", "--method", "smc-sd", "--particles", "2", "--draft-len", "2", "--max-new-tokens", "12", "--json-schema", str(path), "--json", PROMPT])
+    code = main(["generate", "--method", "smc-sd", "--draft", "self", "--particles", "2", "--draft-len", "2", "--max-new-tokens", "12", "--json-schema", str(path), "--json", PROMPT])
     assert code == 0
     summary = json.loads(capsys.readouterr().out)
     jsonschema.validate(json.loads(summary["text"]), SCHEMAS["enum"])
 
 
 def test_cli_warns_and_fails_when_no_answer_is_complete(capsys):
-    code = main(["generate", "--particles", "2", "--draft-len", "2", "--max-new-tokens", "3", "--regex", "a{40}", "--json", PROMPT])
+    code = main(["generate", "--method", "smc-sd", "--draft", "self", "--particles", "2", "--draft-len", "2", "--max-new-tokens", "3", "--regex", "a{40}", "--json", PROMPT])
     captured = capsys.readouterr()
     assert code == 1 and "no particle completed" in captured.err
     assert json.loads(captured.out)["complete"] is False

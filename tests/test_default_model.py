@@ -35,7 +35,7 @@ def test_every_method_generates_on_the_default_model(default_lm, default_draft, 
 
 def test_cli_json_contract(capsys):
     code = main(
-        ["generate", "--method", "smc-sd", "--particles", "2", "--draft-len", "2", "--max-new-tokens", "7",
+        ["generate", "--method", "smc-sd", "--draft", "self", "--particles", "2", "--draft-len", "2", "--max-new-tokens", "7",
          "--seed", "3", "--json", QUESTION]
     )
     assert code == 0
@@ -46,7 +46,7 @@ def test_cli_json_contract(capsys):
     assert out["method"] == "smc-sd" and out["particles"] == 2 and out["draft_len"] == 2
     assert len(out["ess"]) == out["target_passes"] == math.ceil((out["positions"] - 1) / 3)
     assert out["new_tokens"] <= out["positions"] <= 7
-    again = main(["generate", "--method", "smc-sd", "--particles", "2", "--draft-len", "2",
+    again = main(["generate", "--method", "smc-sd", "--draft", "self", "--particles", "2", "--draft-len", "2",
                   "--max-new-tokens", "7", "--seed", "3", "--json", QUESTION])
     assert again == 0 and json.loads(capsys.readouterr().out)["text"] == out["text"]
 
@@ -60,3 +60,14 @@ def test_cli_reports_bad_input_clearly(capsys):
     assert "prompt is empty" in capsys.readouterr().err
     assert main(["generate", "--method", "sd", "--backend", "vllm", "--draft", "distilled", QUESTION]) == 2
     assert "runs on --backend hf only" in capsys.readouterr().err
+
+
+def test_the_bare_command_names_paris(capsys):
+    # the defaults (smc_sd.cli: sd with the free draft, greedy): what a first-time user types
+    answers = []
+    for seed in range(10):
+        assert main(["generate", "--json", "--seed", str(seed), QUESTION]) == 0
+        out = json.loads(capsys.readouterr().out)
+        assert out["method"] == "sd" and out["temperature"] == 0.0 and out["draft_passes"] == 0
+        answers.append(out["text"])
+    assert sum("Paris" in answer for answer in answers) >= 8, answers
