@@ -44,8 +44,10 @@ def free_and_other_requests(target, draft, count: int) -> list[Request]:
         (smc_speculative.program(target, None, free_draft=FreeDraft(forced=False, min_match=2, max_len=5), temperature=0.8, alpha=2.0), Schedule(5, ess_threshold=1.0, max_tokens=6)),
         (speculative.program(target, None, temperature=0.0, free_draft=LOOKUP), Schedule(1, max_tokens=6)),
         (mask_at_verify.program(target, draft, draft_len=1, constraints=(constraint,)), Schedule(1, max_tokens=4)),
+        (speculative.program(target, draft, draft_len=2, free_draft=LOOKUP), Schedule(1, max_tokens=9)),
+        (mask_at_verify.program(target, draft, draft_len=3, constraints=(constraint,), free_draft=forced), Schedule(1, max_tokens=LANGUAGE_TOKENS)),
     ]
-    prompts = [REPEATING_PROMPT, WORDS_PROMPT, PROMPT, [2], [0, 1, 1, 2, 0, 1]]
+    prompts = [REPEATING_PROMPT, WORDS_PROMPT, PROMPT, [2], [0, 1, 1, 2, 0, 1], [1, 2, 0, 1, 2, 0, 1, 2]]
     return [Request(prompts[i % len(prompts)], *menu[i % len(menu)], seed=i) for i in range(count)]
 
 
@@ -176,12 +178,12 @@ def test_batched_smc_sd_with_a_free_draft_has_an_unbiased_z_hat(ess_threshold):
     assert std_error < 0.06 * math.exp(log_z)
 
 
-def test_a_free_draft_beside_a_draft_model_is_refused_with_one_line():
+def test_smc_sd_with_a_free_draft_beside_a_draft_model_is_refused_with_one_line():
     target, draft = target_and_draft()
     engine = BatchEngine(target, draft)
-    program = speculative.program(target, draft, draft_len=2, free_draft=LOOKUP)
+    program = smc_speculative.program(target, draft, draft_len=2, free_draft=LOOKUP)
     with pytest.raises(ValueError, match=r"free\+NAME"):
-        engine.submit(Request(PROMPT, program, Schedule(1, max_tokens=4)))
+        engine.submit(Request(PROMPT, program, Schedule(2, max_tokens=4)))
 
 
 def test_a_backend_with_rows_of_one_length_serves_sd_free_and_refuses_smc_sd_free_in_one_line():
@@ -223,3 +225,29 @@ def test_batched_smc_sd_with_a_free_draft_checks_an_over_approximated_schema_exa
     results = batched_samples(target, draft, program, PROMPT, Schedule(16, max_tokens=budget), runs, max_running=8)
     assert all(r.complete for r in results)
     assert total_variation(empirical([tuple(r.tokens) for r in results]), exact) < tolerance
+
+
+def test_sd_with_a_free_draft_beside_a_draft_model_returns_what_program_run_returns():
+    # free+NAME: the free draft's blocks where it proposes, the draft model's elsewhere; the
+    # draft model's row catches up after free blocks while other requests draft beside it
+    target, draft = target_and_draft(noise=1.0)
+    free_and_lm = speculative.program(target, draft, draft_len=2, free_draft=LOOKUP)
+    neighbour = smc_speculative.program(target, draft, draft_len=3)
+    requests = []
+    for seed in range(16):
+        requests.append(Request(PROMPT, free_and_lm, Schedule(1, max_tokens=14), seed=seed))
+        requests.append(Request([1, 2, 0], neighbour, Schedule(3, max_tokens=8), seed=seed))
+    engine = BatchEngine(target, draft, max_running=8, max_slots=32)
+    handles = [engine.submit(r) for r in requests]
+    while engine.step():
+        engine.table.check_invariants()
+    mixed = 0
+    for request, handle in zip(requests, handles):
+        single = alone(request)
+        assert_same_outcome(outcome(handle), single)
+        if request.program is free_and_lm:
+            lm_cycles = single.draft_passes // 2
+            mixed += 0 < lm_cycles < len(single.cycles)
+    # most runs alternated between free blocks and the draft model's
+    assert mixed >= 8
+    assert engine.draft_rows.rows is None and engine.target_rows.rows is None

@@ -242,8 +242,8 @@ class BatchEngine:
         if program.target.lm is not self.target:
             raise ValueError("the request's target model is not the engine's target")
         proposal = program.proposal
-        if proposal is not None and proposal.free is not None and proposal.lm is not None:
-            raise ValueError("a free draft beside a draft model (free+NAME) does not run in the batched engine yet; use the free draft alone or Program.run")
+        if proposal is not None and proposal.free is not None and proposal.lm is not None and program.verification == "importance":
+            raise ValueError("smc-sd with a free draft beside a draft model (free+NAME) does not run in the batched engine; use the free draft alone")
         if proposal is not None and proposal.lm is not None and all(proposal.lm is not rows.lm for rows in self.draft_sets):
             raise ValueError("the request's draft model is not one of the engine's drafts")
         if proposal is not None and proposal.free is not None and program.verification == "importance" and schedule.particles > 1 and not self._keeps_ragged_rows():
@@ -333,7 +333,7 @@ class BatchEngine:
         draft_rows = [self.table.draft_row[g.live()] if g.has_draft else None for g in groups]
         healthy = [self._attempt(e, g.prepare) for e, g in zip(entries, groups)]
         for rows in self.draft_sets:
-            uses = [g.has_draft and g.plan.draft is rows.lm for g in groups]
+            uses = [g.has_draft and g.plan.draft is rows.lm and g.draft_len > 0 for g in groups]
             self._draft_passes(rows, entries, [r if use else None for r, use in zip(draft_rows, uses)], healthy)
         widths = [g.target_width() if ok else 1 for g, ok in zip(groups, healthy)]
         width = max(widths)
@@ -353,9 +353,10 @@ class BatchEngine:
                 self._finish_or_report(e)
 
     def _draft_passes(self, draft: RowSet, entries: list[_Entry], rows_of: list[torch.Tensor | None], healthy: list[bool]) -> None:
-        """One draft model's passes: its rows read the last two tokens of every prefix, then
-        K_max passes of [B_d, 1] (K_max the largest K of the requests drafting with it); request
-        g draws at the first K_g. A request whose draw fails turns unhealthy.
+        """One draft model's passes: its rows read the tokens of their prefixes they have not
+        read (the last two; more for an sd request whose last blocks were its free draft's),
+        then K_max passes of [B_d, 1] (K_max the largest K of the requests drafting with it this
+        cycle); request g draws at the first K_g. A request whose draw fails turns unhealthy.
 
         Args:
             rows_of: per running request its rows in `draft` ([A] int64), or None when it does
@@ -366,14 +367,27 @@ class BatchEngine:
         k_max = max((g.draft_len for g, rows in zip(groups, rows_of) if rows is not None), default=0)
         if not k_max:
             return
-        # [B_d, 2]: the last two tokens of every draft row's prefix (EOS on failed requests)
-        feed = torch.full((draft.size, 2), eos, dtype=torch.int64)
-        for g, ok, rows in zip(groups, healthy, rows_of):
-            if ok and rows is not None:
-                feed[rows] = g.draft_feed()
+        feeds = [g.draft_feed() if ok and rows is not None else None for g, ok, rows in zip(groups, healthy, rows_of)]
+        if all(f is None for f in feeds):
+            return
+        width = max(f.shape[1] for f in feeds if f is not None)
+        # [B_d, width]: the tokens every drafting row has not read (the last two of its prefix,
+        # more after free-draft blocks), then EOS filler (all filler on other rows)
+        feed = torch.full((draft.size, width), eos, dtype=torch.int64)
+        # [B_d]: the column of each row's last fed token
+        last = torch.full((draft.size,), width - 1, dtype=torch.int64)
+        for f, rows in zip(feeds, rows_of):
+            if f is not None:
+                feed[rows, : f.shape[1]] = f
+                last[rows] = f.shape[1] - 1
+        lengths = draft.rows.lengths + last + 1
         for j in range(k_max):
             # [B_d, V]: the draft's logits after each row's last fed token
-            logits = draft.extend(feed)[:, -1]
+            logits = draft.extend(feed)
+            logits = logits[torch.arange(draft.size), last] if j == 0 else logits[:, -1]
+            if j == 0 and bool((last < width - 1).any()):
+                # rows fed fewer tokens drop their filler before the next pass
+                draft.rows.truncate_rows(lengths)
             feed = torch.full((draft.size, 1), eos, dtype=torch.int64)
             for i, (e, g, rows) in enumerate(zip(entries, groups, rows_of)):
                 if healthy[i] and rows is not None and j < g.draft_len:

@@ -113,11 +113,17 @@ class Group:
         return self.draft_len + 1
 
     def draft_feed(self) -> torch.Tensor:
-        """[A, 2] int64: the last two tokens of each unfinished particle's prompt + tokens."""
+        """[A, n] int64: the tokens of each unfinished particle's prompt + tokens its draft row
+        has not read (here its last two, n = 2)."""
         tokens = self.table.tokens[self.live(), : self.generated]
         if self.generated >= 2:
             return tokens[:, -2:]
         return torch.cat([torch.full_like(tokens, self.prompt[-1]), tokens], 1)
+
+    def draft_lengths(self, seated: torch.Tensor) -> torch.Tensor:
+        """[U] int64: the tokens the seated particles' draft rows hold between cycles: the
+        prompt and all generated tokens but the last two."""
+        return len(self.prompt) + self.table.length[seated] - 2
 
     def draw(self, logits: torch.Tensor) -> torch.Tensor:
         """The next drafted token of every unfinished particle from the draft's logits [A, V]."""
@@ -308,6 +314,9 @@ class SpeculativeGroup(Group):
         self.free_drafter = FreeDrafter.for_plan(plan, self.prompt) if plan.free is not None else None
         #: the cycle's block when it is not the draft LM's: the free draft's, or an empty one
         self.fixed_block: DraftBlock | None = None
+        #: tokens of prompt + generated the draft row has read (it reads nothing on a cycle
+        #: whose block is the free draft's, and catches up at the next draft LM cycle)
+        self.draft_read = len(self.prompt)
         #: leading tokens of the free draft's block that the constraints force
         self.forced = 0
 
@@ -321,6 +330,7 @@ class SpeculativeGroup(Group):
         if first is None:
             raise AllParticlesDiedError("no first token has nonzero probability under the target (and its constraints, if any)", self.result(None))
         self._append([first])
+        self.draft_read = len(self.prompt) - 1
         self.table.target_row[self.slots] = -1 if self.finished else target_base
         self.table.draft_row[self.slots] = -1 if self.finished else draft_base
 
@@ -356,6 +366,16 @@ class SpeculativeGroup(Group):
     def target_width(self) -> int:
         return 1 + (self.fixed_block.tokens.shape[1] if self.fixed_block is not None else self.plan.draft_len)
 
+    def draft_feed(self) -> torch.Tensor:
+        """[1, n] int64: the tokens of prompt + generated the draft row has not read (n >= 2)."""
+        unread = (self.prompt + self.tokens)[self.draft_read :]
+        return torch.tensor([unread])
+
+    def draft_lengths(self, seated: torch.Tensor) -> torch.Tensor:
+        """[1] int64: what the draft row holds between cycles: all but the last two tokens, or
+        less after cycles whose blocks were the free draft's."""
+        return torch.tensor([min(self.draft_read, len(self.prompt) + self.generated - 2)])
+
     def target_feed(self, width: int) -> torch.Tensor:
         """[1, width] int64: the last token, the cycle's block, then EOS filler."""
         if self.fixed_block is None:
@@ -387,6 +407,9 @@ class SpeculativeGroup(Group):
         self.accepted += accepted
         self.drafted += proposed
         self.draft_passes += self.draft_len
+        if self.fixed_block is None and self.has_draft:
+            # the draft read the unread tokens and K - 1 drafts; it keeps all but the last two
+            self.draft_read = len(self.prompt) + self.generated + len(new) - 2
         self.cycles.append(CycleStats(1.0, False, 0.0, self._append(new), 1, accepted=accepted, proposed=proposed))
 
     def result(self, kv: dict | None) -> Result:

@@ -139,7 +139,8 @@ def reseat_groups(table, target_rows: RowSet, draft_sets: list[RowSet], groups: 
     """Make the rows, group after group, those of each group's seated particles (`Group.seats`:
     its unfinished particles in particle order, copies holding equal tokens sharing one row), a
     target row holding its prompt and generated tokens but the last, a row of the group's draft
-    all but the last two (lengths per slot, `SlotTable.length`); renumber the table's
+    what `Group.draft_lengths` says (all but the last two; lengths per slot,
+    `SlotTable.length`); renumber the table's
     `target_row` and `draft_row` (a row of the group's draft) to match.
 
     Args:
@@ -153,12 +154,12 @@ def reseat_groups(table, target_rows: RowSet, draft_sets: list[RowSet], groups: 
     offsets = [0] * len(row_sets)
     for group in groups:
         live, seated, seat_of = group.seats()
-        uses = [(0, table.target_row, 1)]
+        uses = [(0, table.target_row, len(group.prompt) + table.length[seated] - 1)]
         if group.has_draft:
-            uses.append((1 + [rows.lm for rows in draft_sets].index(group.plan.draft), table.draft_row, 2))
-        for k, row_of, behind in uses:
+            uses.append((1 + [rows.lm for rows in draft_sets].index(group.plan.draft), table.draft_row, group.draft_lengths(seated)))
+        for k, row_of, length in uses:
             sources[k].append(row_of[seated])
-            lengths[k].append(len(group.prompt) + table.length[seated] - behind)
+            lengths[k].append(length)
             row_of[live] = offsets[k] + seat_of
             offsets[k] += seated.numel()
     empty = torch.empty(0, dtype=torch.int64)
