@@ -6,12 +6,13 @@ conversion of the default model is done by a warm-up run first), the median of -
 each child with OMP_NUM_THREADS=--threads:
 
 - help: wall seconds of `smc-sd --help` (the installed console script).
-- imports: seconds of `import X` inside a fresh interpreter (interpreter start excluded), for the
-  pieces a run loads, each with everything it imports itself; genlm-control is listed to show
-  what a run no longer pays (a run loads it only for a genlm-control potential).
-- first_command: wall seconds of the README's set-up command (read from README.md), its
-  children's CPU seconds (user + sys: on a shared machine wall time grows with the load, CPU
-  time much less), and the generation seconds its summary line reports.
+- imports: wall and CPU seconds of `import X` inside a fresh interpreter (interpreter start
+  excluded), for the pieces a run loads, each with everything it imports itself; genlm-control
+  is listed to show what a run no longer pays (a run loads it only for a genlm-control potential).
+- first_command: wall seconds of the README's set-up command (read from README.md), its CPU
+  seconds (user + sys: on a shared machine wall time grows with the load, CPU time much less),
+  and the generation seconds its summary line reports; `phases` splits one more run of it with
+  --json into the models' load, the generation and the rest (imports, checks, compiling).
 
     python benchmarks/startup.py [--repeats 3] [--threads 1]
 """
@@ -19,6 +20,7 @@ each child with OMP_NUM_THREADS=--threads:
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import pathlib
 import re
@@ -68,10 +70,12 @@ def timed(argv: list[str], env: dict) -> dict:
     return {"wall": wall, "cpu": cpu, "stdout": done.stdout, "stderr": done.stderr}
 
 
-def import_seconds(module: str, env: dict) -> float:
-    """Seconds of `import module` in a fresh interpreter."""
-    code = f"import time; t = time.perf_counter(); import {module}; print(time.perf_counter() - t)"
-    return float(timed([sys.executable, "-c", code], env)["stdout"].strip())
+def import_seconds(module: str, env: dict) -> dict:
+    """{"wall": s, "cpu": s} of `import module` in a fresh interpreter."""
+    code = (f"import time; w, c = time.perf_counter(), time.process_time(); import {module}; "
+            "print(time.perf_counter() - w, time.process_time() - c)")
+    wall, cpu = map(float, timed([sys.executable, "-c", code], env)["stdout"].split())
+    return {"wall": wall, "cpu": cpu}
 
 
 def median_of(runs: list[dict], key: str) -> float | None:
@@ -87,7 +91,10 @@ def main() -> None:
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "HF_HUB_OFFLINE": "1"}
 
     help_runs = [timed(console_script() + ["--help"], env) for _ in range(args.repeats)]
-    imports = {m: statistics.median(import_seconds(m, env) for _ in range(args.repeats)) for m in IMPORTS}
+    imports = {}
+    for module in IMPORTS:
+        runs = [import_seconds(module, env) for _ in range(args.repeats)]
+        imports[module] = {"wall_s": median_of(runs, "wall"), "cpu_s": median_of(runs, "cpu")}
 
     command = readme_first_command()
     argv = console_script() + command[1:]
@@ -99,6 +106,10 @@ def main() -> None:
         summary = SUMMARY.search(run["stderr"])
         runs.append({"wall": run["wall"], "cpu": run["cpu"], "generation": float(summary.group(2)) if summary else None,
                      "tokens": int(summary.group(1)) if summary else None, "answer": run["stdout"].strip()})
+    run = timed(argv + ["--json"], env)
+    result = json.loads(run["stdout"])
+    phases = {"wall_s": run["wall"], "cpu_s": run["cpu"], "load_s": result["load_seconds"], "generation_s": result["seconds"]}
+    phases["rest_s"] = phases["wall_s"] - phases["load_s"] - phases["generation_s"]
 
     emit("startup", {
         "environment": environment(),
@@ -106,13 +117,14 @@ def main() -> None:
         "repeats": args.repeats,
         "help": {"wall_s": median_of(help_runs, "wall"), "cpu_s": median_of(help_runs, "cpu"),
                  "runs_wall_s": [r["wall"] for r in help_runs]},
-        "imports_s": imports,
+        "imports": imports,
         "first_command": {
             "command": shlex.join(command),
             "wall_s": median_of(runs, "wall"),
             "cpu_s": median_of(runs, "cpu"),
             "generation_s": median_of(runs, "generation"),
             "runs": runs,
+            "phases": phases,
         },
         "goals_s": {"help": 1.0, "first_command": 8.0},
     })
