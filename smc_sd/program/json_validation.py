@@ -16,10 +16,12 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import sys
+import threading
 import types
 
 #: the module jsonschema's iri format checks import
 IRI_SYNTAX = "rfc3987_syntax"
+_IMPORTING = threading.Lock()
 
 
 def is_valid_syntax(term: str, value: str) -> bool:
@@ -29,15 +31,17 @@ def is_valid_syntax(term: str, value: str) -> bool:
 
 def jsonschema_module() -> types.ModuleType:
     """jsonschema, imported with `rfc3987_syntax` deferred to its first use (module docstring)."""
-    if "jsonschema" in sys.modules or IRI_SYNTAX in sys.modules or importlib.util.find_spec(IRI_SYNTAX) is None:
-        return importlib.import_module("jsonschema")
-    stand_in = types.ModuleType(IRI_SYNTAX)
-    stand_in.is_valid_syntax = is_valid_syntax
-    sys.modules[IRI_SYNTAX] = stand_in
-    try:
-        return importlib.import_module("jsonschema")
-    finally:
-        del sys.modules[IRI_SYNTAX]
+    # one stand-in at a time (server threads may compile schemas at once)
+    with _IMPORTING:
+        if "jsonschema" in sys.modules or IRI_SYNTAX in sys.modules or importlib.util.find_spec(IRI_SYNTAX) is None:
+            return importlib.import_module("jsonschema")
+        stand_in = types.ModuleType(IRI_SYNTAX)
+        stand_in.is_valid_syntax = is_valid_syntax
+        sys.modules[IRI_SYNTAX] = stand_in
+        try:
+            return importlib.import_module("jsonschema")
+        finally:
+            del sys.modules[IRI_SYNTAX]
 
 
 def schema_validator(schema):
