@@ -11,9 +11,9 @@ Every request is a chat completion with `response_format` json_schema, method ar
 (the constraint is compiled and its masks computed; the answer is cut short), seed i, T = 1.
 
 Resident memory is VmRSS of the server's process (/proc/<pid>/status), read before the first
-request, after the first W requests of each phase (default W = 100: first-use costs such as the
-constraint tokenizer and the allocator's warm-up stay out of the growth), at the end of each
-phase. Reported growth, in MB (10^6 bytes):
+request, after the first request and the first W requests of each phase (default W = 100:
+first-use costs such as the constraint tokenizer, the KV pool and the allocator's warm-up stay
+out of the growth), and at the end of each phase. Reported growth, in MB (10^6 bytes):
 - distinct_growth_mb = RSS after the distinct phase - RSS after its first W requests
   (goal: at most 50 MB for R = 1,000);
 - repeated_growth_mb = RSS after the repeated phase - RSS after its first W requests
@@ -101,8 +101,8 @@ def phase(client, pid: int, schemas, args, deadline: float) -> dict:
                 if error is not None:
                     failed += 1
                     errors.append(error)
-                if done == args.warmup:
-                    marks["rss_after_warmup_mb"] = resident_mb(pid)
+                if done in (1, args.warmup):
+                    marks["rss_after_first_mb" if done == 1 else "rss_after_warmup_mb"] = resident_mb(pid)
     return {"requests": done, "failed": failed, "first_error": errors[0] if errors else None,
             "seconds": time.perf_counter() - started, **marks, "rss_end_mb": resident_mb(pid)}
 
