@@ -6,7 +6,7 @@ reachable (smc_sd.program.compiled_grammars):
 - the table of compiled grammars never holds more than its bound, the least recently used
   leaving first;
 - once runs (`Program.run`, and the batched engine's requests, the server's path) have ended
-  and their results are dropped, their potentials are collected and no lowered constraint or
+  and their results are dropped, their potentials and languages are collected and no lowered constraint or
   matcher pool of theirs is alive.
 """
 
@@ -21,6 +21,7 @@ import smc_sd.program.compiled_grammars as compiled_grammars
 from smc_sd.program import Schedule
 from smc_sd.program.compiled_grammars import LRUCache
 from smc_sd.program.grammars import JsonSchema, Regex
+from smc_sd.program.languages import json_schema_language
 from smc_sd.program.llguidance_masks import GrammarConstraint
 from smc_sd.program.matcher_pool import MatcherPool
 from smc_sd.program.potentials import as_token_constraint
@@ -102,7 +103,8 @@ def test_nothing_a_finished_run_used_stays_reachable():
     lm, draft = WordLM(JSON_WORDS), WordLM(JSON_WORDS, seed=1)
     prompt = [JSON_WORDS.index("a")]
     before = live(GrammarConstraint), live(MatcherPool)
-    potentials = [JsonSchema(object_schema(f"run_{i}")) for i in range(4)]
+    # genlm-control potentials, and a Language as the server builds it
+    potentials = [JsonSchema(object_schema(f"run_{i}")) for i in range(3)] + [json_schema_language(object_schema("run_3"))]
     kept = [weakref.ref(p) for p in potentials]
     # one request alone, then the batched engine with every request its own schema
     results = [autoregressive.program(lm, constraints=(potentials[0],)).run(prompt, Schedule(particles=1, max_tokens=4))]
