@@ -16,6 +16,8 @@ def model_precision(args) -> Precision:
     """The dtype --dtype means for both models on --device (`smc_sd.backends.precision`)."""
     if args.dtype == "float16":
         return Precision(torch.float16, "asked for")
+    if getattr(args, "backend", "hf") == "llama-cpp":
+        return Precision(torch.float32, "llama.cpp: float32 activations and logits, the GGUF's own weight format, float16 KV")
     return choose_precision(args.dtype, args.device)
 
 
@@ -28,6 +30,10 @@ def load_models(args):
     """
     if args.backend == "vllm":
         return load_vllm_models(args)
+    if args.backend == "llama-cpp":
+        from smc_sd.llama_models import load_llama_models
+
+        return load_llama_models(args)
     from transformers.utils import logging as transformers_logging
 
     from smc_sd.backends.hf import HFLanguageModel
