@@ -6,8 +6,8 @@ reachable (smc_sd.program.compiled_grammars):
 - the table of compiled grammars never holds more than its bound, the least recently used
   leaving first;
 - once runs (`Program.run`, and the batched engine's requests, the server's path) have ended
-  and their results are dropped, their potentials and languages are collected and no lowered constraint or
-  matcher pool of theirs is alive.
+  and their results are dropped, their potentials and languages are collected and no lowered
+  constraint or matcher pool of theirs is alive.
 """
 
 import gc
