@@ -1,6 +1,7 @@
 """Many prompts in one batch (`Program.run_many`) against one `Program.run` call per prompt.
 
-For each method (ar, and smc-sd N=4 K=4 with the default draft) the same chat prompts are decoded
+For each method (ar, smc-sd N=4 K=4 with the default draft, and with the free draft: sd-free and
+smc-sd-free N=4, `--draft free`) the same chat prompts are decoded
 twice with the same settings and seeds: one `Program.run` call after another, then one
 `Program.run_many` over all of them (up to --max-running in the batch at once). Reported per
 method:
@@ -23,7 +24,7 @@ The torch thread count is 1 (the machine is shared); check `uptime` first and ru
 is quiet. Model load is excluded from every timing.
 
 Usage: python benchmarks/run_many.py [--prompts 32] [--max-tokens 64] [--max-running 32]
-       [--methods ar,smc-sd]
+       [--methods ar,smc-sd,sd-free,smc-sd-free]
 """
 
 from __future__ import annotations
@@ -59,7 +60,7 @@ LONG_SYSTEM = (
     "answer with a short question that invites the visitor to look closer at something nearby."
 )
 
-METHODS = {"ar": dict(particles=1), "smc-sd": dict(particles=4, draft_len=4)}
+METHODS = {"ar": dict(particles=1), "smc-sd": dict(particles=4, draft_len=4), "sd-free": dict(particles=1), "smc-sd-free": dict(particles=4)}
 
 
 def chat_prompts(tokenizer, count: int, system: str | None = None) -> list[list[int]]:
@@ -111,9 +112,14 @@ def kv_of_joined_prompts(program, schedule, prompts, block_size: int) -> dict:
 
 
 def measure(method: str, target, draft, prompts, long_prompts, max_tokens: int, max_running: int) -> dict:
+    from smc_sd.program import FreeDraft, Schedule
+
     settings = METHODS[method]
-    program = build_program(method, target, draft, **{k: v for k, v in settings.items() if k != "particles"})
-    from smc_sd.program import Schedule
+    options = {k: v for k, v in settings.items() if k != "particles"}
+    if method.endswith("-free"):
+        program = build_program(method.removesuffix("-free"), target, None, free_draft=FreeDraft(), **options)
+    else:
+        program = build_program(method, target, draft, **options)
 
     schedule = Schedule(settings["particles"], max_tokens=max_tokens)
     seeds = list(range(len(prompts)))

@@ -311,7 +311,7 @@ def test_bad_requests_are_refused_before_they_join():
         (Request(PROMPT, smc_speculative.program(target, draft, constraints=(language_constraint(),)), Schedule(2), stop=("a",)), ValueError, "stop strings cannot be combined"),
         (Request(PROMPT, program, Schedule(2, max_tokens=300)), ValueError, "context window"),
         (Request(PROMPT, program, Schedule(0)), ValueError, "particles must be >= 1"),
-        (Request(PROMPT, speculative.program(target, draft, free_draft=FreeDraft()), Schedule(1)), ValueError, r"free\+NAME\) does not run in the batched engine"),
+        (Request(PROMPT, smc_speculative.program(target, draft, free_draft=FreeDraft()), Schedule(2)), ValueError, r"free\+NAME\) does not run in the batched engine"),
     ]
     for request, error, message in cases:
         with pytest.raises(error, match=message):
