@@ -20,8 +20,8 @@ import torch
 import smc_sd.program.compiled_grammars as compiled_grammars
 from smc_sd.program import Schedule
 from smc_sd.program.compiled_grammars import LRUCache
-from smc_sd.program.grammars import JsonSchema, Regex
-from smc_sd.program.languages import json_schema_language
+from smc_sd.program.grammars import JsonSchema
+from smc_sd.program.languages import json_schema_language, regex_language
 from smc_sd.program.llguidance_masks import GrammarConstraint
 from smc_sd.program.matcher_pool import MatcherPool
 from smc_sd.program.potentials import as_token_constraint
@@ -45,16 +45,19 @@ def live(cls) -> int:
 def test_one_schema_built_as_two_objects_compiles_once_per_layout():
     lm = WordLM(JSON_WORDS)
     schema = object_schema("compiled_once")
-    first, second = JsonSchema(schema), JsonSchema(json.loads(json.dumps(schema)))
     compiled = compiled_grammars.ROOTS.misses
-    a, b = as_token_constraint(first, lm), as_token_constraint(second, lm)
+    first, second = JsonSchema(schema), JsonSchema(json.loads(json.dumps(schema)))
+    # the potentials' byte-level grammar, once
     assert compiled_grammars.ROOTS.misses == compiled + 1
+    a, b = as_token_constraint(first, lm), as_token_constraint(second, lm)
+    # and the grammar over the model's tokens, once
+    assert compiled_grammars.ROOTS.misses == compiled + 2
     # each constraint walks its own states: advancing one leaves the other where it was
     assert a is not b and a._states is not b._states
     assert torch.equal(a.mask([[JSON_WORDS.index('{"')]]), b.mask([[JSON_WORDS.index('{"')]]))
     assert torch.equal(a.mask([[]]), b.mask([[]]))
     as_token_constraint(JsonSchema(schema, "flexible"), lm)
-    assert compiled_grammars.ROOTS.misses == compiled + 2
+    assert compiled_grammars.ROOTS.misses == compiled + 4
 
 
 def test_the_cache_keeps_at_most_its_bound_least_recently_used_leaving_first():
@@ -77,12 +80,12 @@ def test_distinct_grammars_never_hold_more_than_the_bound(monkeypatch):
     monkeypatch.setattr(compiled_grammars, "ROOTS", LRUCache(4))
     lm = WordLM(JSON_WORDS)
     for n in range(10):
-        as_token_constraint(Regex(f"a{{{n + 1}}}"), lm)
+        as_token_constraint(regex_language(f"a{{{n + 1}}}"), lm)
         assert len(compiled_grammars.ROOTS) == min(n + 1, 4)
     # the latest grammar is kept, the first has left
-    as_token_constraint(Regex("a{10}"), lm)
+    as_token_constraint(regex_language("a{10}"), lm)
     assert compiled_grammars.ROOTS.misses == 10
-    as_token_constraint(Regex("a{1}"), lm)
+    as_token_constraint(regex_language("a{1}"), lm)
     assert compiled_grammars.ROOTS.misses == 11
 
 

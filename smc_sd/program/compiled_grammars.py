@@ -15,9 +15,10 @@ its mask rows belong to the caller and are freed with it.
 
 Bound: `MAX_GRAMMARS` roots, the least recently used leaving first. A root is about 17 KB after
 compiling (200 roots of small schemas over SmolLM2's tokenizer took 3.4 MB) and grows with the
-lexer states its copies build; 128 roots hold the working set of a deployment that sends a few
-dozen schemas (each schema has two roots: the byte-level one of its potential and the target's),
-while a stream of distinct schemas costs at most 128 roots' memory.
+lexer states its copies build. 128 roots hold the working set of a deployment that sends a few
+dozen schemas (a schema used through its genlm-control potential has two roots, the byte-level
+one of `GrammarPotential` and the target's; the server's has one), and they fill within the
+first 128 distinct grammars, so a stream of distinct schemas costs a fixed few MB.
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ from collections import OrderedDict
 from typing import Callable, Hashable
 
 import llguidance
+
+from smc_sd.program.languages import one_line
 
 #: compiled grammar roots kept (module docstring)
 MAX_GRAMMARS = 128
@@ -88,13 +91,13 @@ def root_matcher(grammar: str, tokenizer: llguidance.LLTokenizer, description: s
         description: what the grammar is, for the error message ("JSON schema").
 
     Raises:
-        ValueError: "invalid <description>: <llguidance's first error line>" (nothing is kept).
+        ValueError: "invalid <description>: <llguidance's error in one line>" (nothing is kept).
     """
 
     def compile_root() -> llguidance.LLMatcher:
         root = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
         if root.is_error():
-            raise ValueError(f"invalid {description}: {root.get_error().splitlines()[0]}")
+            raise ValueError(f"invalid {description}: {one_line(root.get_error())}")
         return root
 
     return ROOTS.get((grammar, tokenizer), compile_root)

@@ -19,7 +19,8 @@ import numpy as np
 
 from genlm.control.potential import Potential
 
-from smc_sd.program.languages import Language, byte_tokenizer, json_schema_language, lark_language, one_line, regex_language
+from smc_sd.program.compiled_grammars import root_matcher
+from smc_sd.program.languages import Language, byte_tokenizer, json_schema_language, lark_language, regex_language
 
 
 class GrammarPotential(Potential):
@@ -34,9 +35,8 @@ class GrammarPotential(Potential):
         self.language = language
         self.grammar, self.description = language.grammar, language.description
         self.exact_check, self.approximations = language.exact_check, language.approximations
-        self._root = llguidance.LLMatcher(byte_tokenizer(), language.grammar, log_level=0)
-        if self._root.is_error():
-            raise ValueError(f"invalid {language.description}: {one_line(self._root.get_error())}")
+        # compiled once per grammar text (shared, never advanced: `_matcher` walks a copy)
+        self._root = root_matcher(language.grammar, byte_tokenizer(), language.description)
         super().__init__(vocabulary=list(range(256)))
 
     def _matcher(self, context) -> llguidance.LLMatcher:
