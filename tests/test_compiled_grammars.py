@@ -5,19 +5,24 @@ reachable (smc_sd.program.compiled_grammars):
   another grammar and compiles again;
 - the table of compiled grammars never holds more than its bound, the least recently used
   leaving first;
+- the generic path's masks (a user potential llguidance cannot read) are shared by the
+  lowerings of one potential while it lives, and leave with it;
 - once runs (`Program.run`, and the batched engine's requests, the server's path) have ended
   and their results are dropped, their potentials and languages are collected and no lowered
   constraint or matcher pool of theirs is alive.
 """
 
+import dataclasses
 import gc
 import json
 import weakref
 
 import pytest
 import torch
+from genlm.control import Potential
 
 import smc_sd.program.compiled_grammars as compiled_grammars
+import smc_sd.program.potentials as potentials_module
 from smc_sd.program import Schedule
 from smc_sd.program.compiled_grammars import LRUCache
 from smc_sd.program.grammars import JsonSchema
@@ -119,3 +124,46 @@ def test_nothing_a_finished_run_used_stays_reachable():
     del potentials, programs, results, program
     assert (live(GrammarConstraint), live(MatcherPool)) == before
     assert all(ref() is None for ref in kept)
+
+
+class NoDoubleA(Potential):
+    """The byte strings without "aa", counting its calls (the generic path's potential)."""
+
+    def __init__(self):
+        super().__init__(list(range(256)))
+        self.calls = 0
+
+    async def prefix(self, context):
+        self.calls += 1
+        return 0.0 if b"aa" not in bytes(context) else float("-inf")
+
+    async def complete(self, context):
+        return await self.prefix(context)
+
+
+@dataclasses.dataclass(eq=True)
+class UnhashableNoDoubleA(NoDoubleA):
+    """The same language in a dataclass, whose `__eq__` leaves it without a hash."""
+
+    def __post_init__(self):
+        NoDoubleA.__init__(self)
+
+
+def test_the_generic_paths_masks_are_shared_while_the_potential_lives_then_freed():
+    lm = WordLM(JSON_WORDS)
+    tables = len(potentials_module._BYTE_MASKS)
+    potential = NoDoubleA()
+    prefixes = [[JSON_WORDS.index("a")], [JSON_WORDS.index("b")]]
+    first = as_token_constraint(potential, lm).mask(prefixes)
+    calls = potential.calls
+    assert len(potentials_module._BYTE_MASKS) == tables + 1
+    # a later run's lowering answers from the masks the first computed
+    assert torch.equal(as_token_constraint(potential, lm).mask(prefixes), first) and potential.calls == calls
+    kept = weakref.ref(potential)
+    del potential
+    gc.collect()
+    assert kept() is None and len(potentials_module._BYTE_MASKS) == tables
+    # a potential without a hash lowers too, its masks then its lowering's own
+    unhashable = UnhashableNoDoubleA()
+    assert torch.equal(as_token_constraint(unhashable, lm).mask(prefixes), first)
+    assert len(potentials_module._BYTE_MASKS) == tables

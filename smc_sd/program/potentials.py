@@ -66,7 +66,7 @@ class BytePotentialConstraint(TokenConstraint):
         self.vocab_size, self.eos = lm.vocabulary.size, lm.vocabulary.eos_token_id
         self._vocabulary, self._trie = vocabulary_trie(lm)
         self._loop = asyncio.new_event_loop()
-        self._masks: dict[bytes, torch.Tensor] = _BYTE_MASKS.setdefault(potential, weakref.WeakKeyDictionary()).setdefault(lm, {})
+        self._masks = mask_table(potential, lm)
 
     async def _walk(self, data: bytes) -> torch.Tensor:
         mask = torch.zeros(self.vocab_size, dtype=torch.bool)
@@ -96,6 +96,16 @@ class BytePotentialConstraint(TokenConstraint):
             rows.append(self._masks[data])
         # [B, V] bool
         return torch.stack(rows)
+
+
+def mask_table(potential, lm) -> dict[bytes, torch.Tensor]:
+    """The masks of a byte potential's prefixes over `lm`'s tokens, shared by every lowering of
+    the pair while both live; a potential that cannot be a weak key (it defines `__eq__` without
+    `__hash__`, as a dataclass does) gets a table of its own lowering."""
+    try:
+        return _BYTE_MASKS.setdefault(potential, weakref.WeakKeyDictionary()).setdefault(lm, {})
+    except TypeError:
+        return {}
 
 
 class TokenPotentialConstraint(TokenConstraint):
