@@ -10,7 +10,7 @@ Z_hat. TV tolerances come from `tv_tolerance` (failure 1e-6 when exact); Z_hat's
 standard errors.
 """
 
-import math
+import functools
 
 import pytest
 
@@ -22,9 +22,16 @@ from smc_sd.program import FreeDraft, Schedule
 from smc_sd.program.grammars import JsonSchema, Regex
 from smc_sd.program.potentials import as_token_constraint
 from smc_sd.programs import autoregressive, mask_at_verify, smc_speculative, speculative
+from smc_sd.serve.errors import run_failed
 from tests.test_batch_engine import alone, assert_same_outcome, outcome
-from tests.test_constraints import MAX_TOKENS as LANGUAGE_TOKENS, in_language, language_constraint
-from tests.test_free_drafts import LOOKUP, REPEATING_PROMPT, WORDS_PROMPT
+from tests.test_constraints import MAX_TOKENS as LANGUAGE_TOKENS, language_constraint
+from tests.test_free_drafts import (
+    LOOKUP,
+    REPEATING_PROMPT,
+    WORDS_PROMPT,
+    assert_smc_sd_free_reaches_the_conditional,
+    assert_smc_sd_free_z_hat_is_unbiased,
+)
 from tests.test_llguidance import WordLM
 from tests.toy_programs import PROMPT, target_and_draft
 
@@ -51,19 +58,27 @@ def free_and_other_requests(target, draft, count: int) -> list[Request]:
     return [Request(prompts[i % len(prompts)], *menu[i % len(menu)], seed=i) for i in range(count)]
 
 
+def assert_batched_as_alone(engine: BatchEngine, requests: list[Request]) -> list:
+    """Run the requests through the engine (checking its invariants every cycle); each
+    outcome must be `Program.run`'s with its seed. Returns the runs alone."""
+    handles = [engine.submit(r) for r in requests]
+    while engine.step():
+        engine.table.check_invariants()
+    singles = [alone(request) for request in requests]
+    for single, handle in zip(singles, handles):
+        assert_same_outcome(outcome(handle), single)
+    return singles
+
+
 @pytest.mark.parametrize("max_running", [1, 4, 16])
 def test_each_free_draft_request_returns_what_program_run_returns(max_running):
     target, draft = target_and_draft(noise=1.0)
     requests = free_and_other_requests(target, draft, 60)
     # few slots, so requests also wait for room and join mid-way
     engine = BatchEngine(target, draft, max_running=max_running, max_slots=24)
-    handles = [engine.submit(r) for r in requests]
-    while engine.step():
-        engine.table.check_invariants()
+    singles = assert_batched_as_alone(engine, requests)
     proposed = 0
-    for request, handle in zip(requests, handles):
-        single = alone(request)
-        assert_same_outcome(outcome(handle), single)
+    for request, single in zip(requests, singles):
         if request.program.proposal is not None and request.program.proposal.free is not None:
             proposed += sum(c.proposed or 0 for c in single.cycles)
     # the free drafts proposed, so the comparison covered rows of different lengths
@@ -88,6 +103,12 @@ def test_copies_share_one_computed_row():
                 computed, running = computed + seated.numel(), running + live.numel()
         assert_same_outcome(handle.result(0), alone(request))
     assert computed < running
+
+
+def batched_runs(program, prompt: list[int], schedule: Schedule, n: int, max_running: int = 24):
+    """`batched_samples` with a draft near the program's target for the neighbours."""
+    target = program.target.lm
+    return batched_samples(target, ToyLM.perturbed(target, 1.0), program, prompt, schedule, n, max_running)
 
 
 def batched_samples(target, draft, program, prompt: list[int], schedule: Schedule, n: int, max_running: int = 24):
@@ -142,40 +163,12 @@ def test_batched_mask_at_verify_with_forced_tokens_samples_the_local_projection(
 
 
 def test_batched_smc_sd_with_a_free_draft_reaches_the_conditional():
-    target, draft = target_and_draft(noise=1.0)
-    constraint = language_constraint()
-    exact, _ = target.completion_distribution(WORDS_PROMPT, LANGUAGE_TOKENS, constraint=constraint)
-    local, _ = target.completion_distribution(WORDS_PROMPT, LANGUAGE_TOKENS, constraint=constraint, local=True)
-    assert total_variation(local, exact) > 0.3
-    runs = 400
-    program = smc_speculative.program(target, None, constraints=(constraint,), free_draft=LOOKUP)
-    samples = {}
-    for n in (1, 16):
-        results = batched_samples(target, draft, program, WORDS_PROMPT, Schedule(n, max_tokens=LANGUAGE_TOKENS), runs, max_running=8)
-        samples[n] = [tuple(r.tokens) for r in results]
-        assert sum(c.proposed or 0 for r in results for c in r.cycles) > 0
-    assert all(in_language(x) for xs in samples.values() for x in xs)
-    tolerance = tv_tolerance(exact, runs)
-    tv = {n: total_variation(empirical(xs), exact) for n, xs in samples.items()}
-    # one particle samples the local projection; sixteen reach the conditional
-    assert total_variation(empirical(samples[1]), local) < tv_tolerance(local, runs)
-    assert tv[16] < tolerance and tv[1] > tv[16] + tolerance
+    assert_smc_sd_free_reaches_the_conditional(functools.partial(batched_runs, max_running=8))
 
 
 @pytest.mark.parametrize("ess_threshold", [1.0, 0.5])
 def test_batched_smc_sd_with_a_free_draft_has_an_unbiased_z_hat(ess_threshold):
-    target, draft = target_and_draft(noise=1.0)
-    constraint = language_constraint()
-    _, log_z = target.completion_distribution(WORDS_PROMPT, LANGUAGE_TOKENS, constraint=constraint)
-    program = smc_speculative.program(target, None, constraints=(constraint,), free_draft=LOOKUP)
-    schedule = Schedule(particles=4, ess_threshold=ess_threshold, max_tokens=LANGUAGE_TOKENS)
-    results = batched_samples(target, draft, program, WORDS_PROMPT, schedule, 2000)
-    z_hats = [math.exp(r.log_ml) for r in results]
-    mean = sum(z_hats) / len(z_hats)
-    std_error = math.sqrt(sum((z - mean) ** 2 for z in z_hats) / (len(z_hats) - 1) / len(z_hats))
-    # 5 standard errors: a false alarm has probability ~1e-6 under the CLT
-    assert abs(mean - math.exp(log_z)) < 5 * std_error
-    assert std_error < 0.06 * math.exp(log_z)
+    assert_smc_sd_free_z_hat_is_unbiased(batched_runs, ess_threshold, n=2000)
 
 
 def test_smc_sd_with_a_free_draft_beside_a_draft_model_is_refused_with_one_line():
@@ -202,6 +195,8 @@ def test_a_backend_with_rows_of_one_length_serves_sd_free_and_refuses_smc_sd_fre
     for handle in (handles[1], handles[3]):
         error = outcome(handle)
         assert isinstance(error, ValueError) and "rows of different lengths" in str(error) and "\n" not in str(error)
+        # the server answers it as bad input, not as its own failure
+        assert run_failed(error).status == 400
     assert target.manager.pool.live == 0
     # once the engine has seen rows of one length, it refuses such a request before it queues
     with pytest.raises(ValueError, match="rows of different lengths"):
@@ -238,13 +233,9 @@ def test_sd_with_a_free_draft_beside_a_draft_model_returns_what_program_run_retu
         requests.append(Request(PROMPT, free_and_lm, Schedule(1, max_tokens=14), seed=seed))
         requests.append(Request([1, 2, 0], neighbour, Schedule(3, max_tokens=8), seed=seed))
     engine = BatchEngine(target, draft, max_running=8, max_slots=32)
-    handles = [engine.submit(r) for r in requests]
-    while engine.step():
-        engine.table.check_invariants()
+    singles = assert_batched_as_alone(engine, requests)
     mixed = 0
-    for request, handle in zip(requests, handles):
-        single = alone(request)
-        assert_same_outcome(outcome(handle), single)
+    for request, single in zip(requests, singles):
         if request.program is free_and_lm:
             lm_cycles = single.draft_passes // 2
             mixed += 0 < lm_cycles < len(single.cycles)

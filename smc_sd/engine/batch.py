@@ -54,10 +54,15 @@ from smc_sd.engine.result import Result, kv_memory
 from smc_sd.engine.rows import RowSet, join_groups, reseat_groups
 from smc_sd.engine.slots import SlotTable
 
-__all__ = ["BatchEngine", "Event", "Handle", "QueueFullError", "Request", "run_many"]
+__all__ = ["BatchEngine", "Event", "Handle", "QueueFullError", "Request", "RowsOfOneLengthError", "run_many"]
 
 #: slots per running request when the engine is not told how many to keep
 SLOTS_PER_REQUEST = 16
+class RowsOfOneLengthError(ValueError):
+    """A request needs rows of different lengths, which the backend cannot hold (bad input for
+    this server, not a failure of the engine)."""
+
+
 #: why a request whose particles end cycles at different lengths cannot run on some backends
 ONE_LENGTH_REFUSAL = (
     "smc-sd with a free draft and more than one particle needs rows of different lengths, "
@@ -247,7 +252,7 @@ class BatchEngine:
         if proposal is not None and proposal.lm is not None and all(proposal.lm is not rows.lm for rows in self.draft_sets):
             raise ValueError("the request's draft model is not one of the engine's drafts")
         if proposal is not None and proposal.free is not None and program.verification == "importance" and schedule.particles > 1 and not self._keeps_ragged_rows():
-            raise ValueError(ONE_LENGTH_REFUSAL)
+            raise RowsOfOneLengthError(ONE_LENGTH_REFUSAL)
         if schedule.particles > self.table.max_slots:
             raise ValueError(f"{schedule.particles} particles exceed the engine's {self.table.max_slots} particle slots")
         if any(not isinstance(s, str) or not s for s in request.stop):
@@ -317,7 +322,7 @@ class BatchEngine:
             return False
         for entry, (bases, logits) in zip(entries, joined):
             if entry.group.needs_ragged_rows and not self.target_rows.ragged:
-                self._leave(entry, None, ValueError(ONE_LENGTH_REFUSAL))
+                self._leave(entry, None, RowsOfOneLengthError(ONE_LENGTH_REFUSAL))
                 continue
             if self._attempt(entry, entry.group.begin, logits, *bases):
                 self._finish_or_report(entry)

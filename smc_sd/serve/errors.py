@@ -48,10 +48,14 @@ def engine_dead(cause: BaseException) -> APIError:
 
 def run_failed(error: BaseException) -> APIError:
     """The error a request's run ended with: 422 when every particle died (the request's own
-    outcome, not the server's fault), 500 for anything else (a bug, reported with its type)."""
+    outcome, not the server's fault), 400 when the backend cannot hold what the request needs
+    (rows of different lengths), 500 for anything else (a bug, reported with its type)."""
     from smc_sd.settings import one_line
+    from smc_sd.engine.batch import RowsOfOneLengthError
     from smc_sd.engine.result import AllParticlesDiedError
 
     if isinstance(error, AllParticlesDiedError):
         return APIError(422, one_line(error), type="all_particles_died", code="all_particles_died")
+    if isinstance(error, RowsOfOneLengthError):
+        return bad_request(one_line(error))
     return APIError(500, f"{type(error).__name__}: {one_line(error)}", type="internal_error", code="internal_error")
