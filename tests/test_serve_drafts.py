@@ -18,6 +18,7 @@ import openai
 import pytest
 
 from smc_sd.cli import main
+from smc_sd.serve.parsing import ServedModel, parse
 from tests.serve_process import MODEL, ServerProcess
 
 model = pytest.mark.model
@@ -185,3 +186,13 @@ def test_a_server_with_a_free_draft_beside_a_draft_model_is_refused_in_one_line(
     status = main(["serve", "--draft", "free+self", "--port", "0"])
     err = capsys.readouterr().err
     assert status == 2 and err.count("\n") == 1 and 'serve --draft self and send "draft": "free+self" with sd or mask-at-verify' in err
+
+
+def test_a_structured_request_defaults_to_the_free_draft_unless_smc_sd_needs_ragged_rows():
+    body = {"model": "m", "prompt": [1, 2], "response_format": schema_format(PERSON)}
+    for ragged, method, draft in ((True, "smc-sd", "free"), (True, "mask-at-verify", "free"), (False, "smc-sd", "self"), (False, "mask-at-verify", "free")):
+        model = ServedModel("m", None, 10, drafts=("self",), ragged_rows=ragged)
+        assert parse({**body, "method": method}, "completion", model).draft == draft
+        # without a structured output, the loaded draft
+        plain = {key: value for key, value in body.items() if key != "response_format"}
+        assert parse({**plain, "method": method}, "completion", model).draft == "self"

@@ -45,11 +45,12 @@ class Server:
         name: the model name clients send and /v1/models lists.
         default_draft: the draft of requests that name none and have no structured output
             (default: the first loaded, else "free").
+        ragged_rows: whether the backend holds rows of different lengths (vLLM's do not).
     """
 
-    def __init__(self, engine, target, drafts: dict | None, name: str, default_draft: str | None = None):
+    def __init__(self, engine, target, drafts: dict | None, name: str, default_draft: str | None = None, ragged_rows: bool = True):
         self.engine, self.target, self.drafts = engine, target, dict(drafts or {})
-        self.model = ServedModel(name, target.tokenizer, target.vocabulary.size, tuple(self.drafts), default_draft)
+        self.model = ServedModel(name, target.tokenizer, target.vocabulary.size, tuple(self.drafts), default_draft, ragged_rows)
         self.created = int(time.time())
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None

@@ -11,8 +11,9 @@ in the body under the CLI's names: `method`, `particles`, `draft_len`, `draft_te
 `draft` chooses what proposes for sd, smc-sd and mask-at-verify: `free` (no model: tokens the
 constraints force and continuations found in the prompt and the text; every server has it) or
 the name of a draft the server loaded (`--draft`). Without it a request with a structured output
-(`response_format`, `structured_outputs`) takes the free draft, whose forced tokens cost nothing,
-and any other request the server's first `--draft`.
+(`response_format`, `structured_outputs`) takes the free draft, whose forced tokens cost nothing
+(except smc-sd on a backend whose rows keep one length), and any other request the server's
+first `--draft`.
 
 Choice i of a request with seed s runs with seed s + i (as vLLM does for n > 1); without a seed
 the server draws one and reports it in each choice's `smc.seed`.
@@ -59,13 +60,16 @@ CHAT_ROLES = ("system", "developer", "user", "assistant")
 class ServedModel:
     """What parsing needs of the served target: its name, tokenizer and vocabulary size V, and
     the drafts the server loaded (names as `--draft` gave them; none when it serves the free
-    draft alone) and the default of requests that name none (None: the first loaded, else free)."""
+    draft alone), the default of requests that name none (None: the first loaded, else free),
+    and whether the backend holds rows of different lengths (smc-sd with the free draft needs
+    them)."""
 
     name: str
     tokenizer: object
     vocabulary_size: int
     drafts: tuple[str, ...] = ()
     default: str | None = None
+    ragged_rows: bool = True
 
     @property
     def default_draft(self) -> str:
@@ -178,7 +182,8 @@ def request_draft(body: dict, method: str, structured: bool, model: ServedModel)
             raise bad_request(f"method {method} drafts nothing; drop draft", "draft")
         return None
     if draft is None:
-        return FREE if structured else model.default_draft
+        free_runs = model.ragged_rows or method != "smc-sd"
+        return FREE if structured and free_runs else model.default_draft
     try:
         choice = parse_draft(draft)
     except ValueError as error:
