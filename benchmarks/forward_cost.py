@@ -15,14 +15,21 @@ bfloat16 model can produce float32 logits: the head in bfloat16 and the logits c
 Every timing depends on the processor: bfloat16 pays where it has native bf16 matrix
 instructions (environment.processor names them), and float32 is faster without them.
 
+`--backend llama-cpp` (or `hf,llama-cpp`, both in one run) times the llama.cpp backend too, one
+model per weight format in --formats (q4_1: the shipped file as it ships; q8_0, f16, f32: copies
+written from it by llama.cpp's quantizer into a temporary directory), one thread per decode
+(`n_threads` = torch's thread count); its rows carry `backend` "llama-cpp" and the format as
+`dtype`.
+
 Usage: OMP_NUM_THREADS=1 python benchmarks/forward_cost.py [--dtypes float32,bfloat16] [--shapes 1x1,1x5,4x5,8x5]
-       [--context 100] [--repeats 5] [--no-write]
+       [--context 100] [--repeats 5] [--backend hf|llama-cpp|hf,llama-cpp] [--formats q4_1,q8_0] [--no-write]
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
+import tempfile
 import time
 
 import torch
@@ -80,9 +87,14 @@ def main(argv=None) -> dict:
     parser.add_argument("--shapes", default=SHAPES, help=f"comma-separated ROWSxTOKENS (default {SHAPES})")
     parser.add_argument("--context", type=int, default=100, help="tokens already in every row")
     parser.add_argument("--repeats", type=int, default=5, help="timed rounds (the median is reported)")
+    parser.add_argument("--backend", default="hf", help="hf, llama-cpp, or hf,llama-cpp (both in one run)")
+    parser.add_argument("--formats", default="q4_1", help="llama-cpp: comma-separated weight formats (q4_1 is the shipped file; q8_0, f16, f32 are written from it)")
     parser.add_argument("--no-write", action="store_true", help="print JSON only; write no file")
     args = parser.parse_args(argv)
-    dtypes = args.dtypes.split(",")
+    backends = args.backend.split(",")
+    if not set(backends) <= {"hf", "llama-cpp"}:
+        parser.error(f"--backend: give hf, llama-cpp or hf,llama-cpp, got {args.backend!r}")
+    dtypes = args.dtypes.split(",") if "hf" in backends else []
     for name in dtypes:
         if name not in ("float32", "bfloat16"):
             parser.error(f"--dtypes: unknown dtype {name!r}; use float32 and/or bfloat16")
@@ -95,7 +107,10 @@ def main(argv=None) -> dict:
 
     from smc_sd.backends.hf import HFLanguageModel
 
-    models = {name: HFLanguageModel.default(dtype=name) for name in dtypes}
+    models = {("hf", name): HFLanguageModel.default(dtype=name) for name in dtypes}
+    scratch = tempfile.TemporaryDirectory()
+    if "llama-cpp" in backends:
+        models.update(llama_models(args.formats.split(","), scratch.name, sum(b for b, _ in shapes)))
     prompt = context_tokens(next(iter(models.values())).tokenizer, args.context)
     steps = {}
     for name, lm in models.items():
@@ -111,25 +126,44 @@ def main(argv=None) -> dict:
     for _, close in steps.values():
         close()
     rows = []
-    for (name, b, l), samples in times.items():
-        rows.append({"dtype": name, "rows": b, "new_tokens": l, "shape": f"{b}x{l}",
+    for ((backend, name), b, l), samples in times.items():
+        rows.append({"backend": backend, "dtype": name, "rows": b, "new_tokens": l, "shape": f"{b}x{l}",
                      "ms_median": statistics.median(samples), "ms_min": min(samples)})
     for row in rows:
-        one = next((r for r in rows if r["dtype"] == row["dtype"] and r["shape"] == "1x1"), None)
+        one = next((r for r in rows if (r["backend"], r["dtype"]) == (row["backend"], row["dtype"]) and r["shape"] == "1x1"), None)
         if one is not None:
             row["over_1x1"] = row["ms_median"] / one["ms_median"]
     data = {
         "benchmark": "forward_cost",
-        "model": "SmolLM2-135M-Instruct (hf backend, paged KV, eager)",
+        "model": "SmolLM2-135M-Instruct (hf backend, paged KV, eager; llama-cpp: the shipped GGUF and copies)",
         "context": args.context,
         "repeats": args.repeats,
         "environment": environment(),
         "rows": rows,
     }
-    if "bfloat16" in models:
-        data["lm_head"] = lm_head_rows(models["bfloat16"].model, args.repeats)
+    if ("hf", "bfloat16") in models:
+        data["lm_head"] = lm_head_rows(models["hf", "bfloat16"].model, args.repeats)
     emit("forward_cost", data, write=not args.no_write)
+    scratch.cleanup()
     return data
+
+
+def llama_models(formats: list[str], directory: str, rows: int) -> dict:
+    """{("llama-cpp", format): LlamaCppLanguageModel} of the default model in each format, room
+    for `rows` rows: the shipped file for q4_1, a copy llama.cpp's quantizer writes into
+    `directory` otherwise."""
+    from smc_sd.backends.llama_cpp import LlamaCppLanguageModel, requantize
+    from smc_sd.models.smollm2 import gguf_path
+
+    shipped = LlamaCppLanguageModel.default(n_seq_max=rows)
+    models = {}
+    for name in formats:
+        if name == "q4_1":
+            models["llama-cpp", name] = shipped
+        else:
+            path = requantize(shipped.path, f"{directory}/{name}.gguf", name)
+            models["llama-cpp", name] = LlamaCppLanguageModel(path, tokenizer=shipped.tokenizer, n_seq_max=rows)
+    return models
 
 
 def lm_head_rows(model, repeats: int) -> list[dict]:

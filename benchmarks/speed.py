@@ -42,6 +42,13 @@ prompt, and "grounded", requests to summarise, rewrite or quote a given passage
 (benchmarks/prompts/grounded.json: invented passages of 60-150 words), where much of it does.
 A grounded run writes its own results file.
 
+`--backend llama-cpp` runs the free-draft rows (`--draft free`, or `free+FILE.gguf` with a GGUF
+draft LM) on the llama.cpp backend: the shipped GGUF as it ships, one thread per decode (torch's
+thread count). Its anchor row, in place of hf-generate, is "llama-cpp-python": that package's own
+high-level generation (`Llama.generate`, sampling at the same temperature with top-k, top-p,
+min-p and the repeat penalty off, i.e. the same distribution as ar) on the same file. Its results
+file ends in "_llama-cpp".
+
 Usage: python benchmarks/speed.py [--max-tokens 128] [--prompts 4] [--prompts-set chat|grounded] [--temperature 1] [--grid]
        [--draft self|distilled|feature|DIR|free|free+NAME] [--kv-compare] [--static-compare]
        [--labels "ar,sd K=2,smc-sd K=4 N=4"] [--dtype float32|bfloat16|auto]
@@ -125,6 +132,8 @@ class Config:
 
 #: the label of transformers' `generate` (sampling), the second anchor row
 HF_GENERATE = "hf-generate"
+#: the label of llama-cpp-python's own generation, the anchor row of --backend llama-cpp
+LLAMA_GENERATE = "llama-cpp-python"
 
 CONFIGS = [
     Config("ar"),
@@ -200,12 +209,40 @@ def hf_generate(target, prompt: list[int], max_tokens: int, seed: int, temperatu
     }
 
 
+def llama_generate(target, prompt: list[int], max_tokens: int, seed: int, temperature: float = 1.0) -> dict:
+    """The anchor of --backend llama-cpp: llama-cpp-python's own `Llama.generate` on the target's
+    GGUF file, sampling at `temperature` with every truncation and penalty off (the law of ar).
+    One `Llama` per target, made on first use (its load is not timed)."""
+    import llama_cpp
+
+    if not hasattr(target, "anchor"):
+        target.anchor = llama_cpp.Llama(str(target.path), n_ctx=4096, n_threads=target.n_threads, n_threads_batch=target.n_threads, verbose=False)
+    llm = target.anchor
+    eos = target.vocabulary.eos_token_id
+    llm.set_seed(seed)
+    llm.reset()
+    tokens = []
+    started = time.perf_counter()
+    for token in llm.generate(prompt, temp=temperature, top_k=0, top_p=1.0, min_p=0.0, typical_p=1.0, repeat_penalty=1.0, reset=True):
+        tokens.append(int(token))
+        if token == eos or len(tokens) == max_tokens:
+            break
+    seconds = time.perf_counter() - started
+    return {
+        "tokens": len(tokens), "seconds": seconds, "target_passes": len(tokens), "draft_passes": 0,
+        "proposed": 0, "accepted": 0, "proposing_passes": 0,
+        "resamples": 0, "kv_peak_bytes": 0, "ess": [], "logprobs": target_logprobs(target, prompt, tokens),
+    }
+
+
 def decode(config: Config, program, target, prompt: list[int], max_tokens: int, seed: int, temperature: float = 1.0) -> dict:
     """Decode one prompt once with `program` (built for `config`); its counts and target log-probs."""
     from smc_sd import Schedule
 
     if config.method == HF_GENERATE:
         return hf_generate(target, prompt, max_tokens, seed, temperature)
+    if config.method == LLAMA_GENERATE:
+        return llama_generate(target, prompt, max_tokens, seed, temperature)
 
     for lm in (target, program.proposal.lm if program.proposal is not None else None):
         if hasattr(lm, "kv_cache"):
@@ -253,7 +290,7 @@ def measure(
         if config.free:
             options["free_draft"] = FreeDraft()
         lm = None if config.free and not config.draft_len else draft
-        programs.append(None if config.method == HF_GENERATE else build_program(config.method, target, lm, **options))
+        programs.append(None if config.method in (HF_GENERATE, LLAMA_GENERATE) else build_program(config.method, target, lm, **options))
     # wall seconds of the untimed first decode of each compiled configuration, which compiles its
     # step shapes (those a configuration shares with an earlier one are compiled already)
     warmup = {}
@@ -309,12 +346,12 @@ def best(rows: list[dict], method: str, faithful: bool = False) -> dict | None:
     return max(candidates, key=lambda r: r["tokens_per_second"]) if candidates else None
 
 
-def results_name(draft: str | None, dtype: str = "float32", prompts_set: str = "chat", temperature: float = 1.0) -> str:
+def results_name(draft: str | None, dtype: str = "float32", prompts_set: str = "chat", temperature: float = 1.0, backend: str = "hf") -> str:
     """The results file's stem: "speed" with the default (self) draft, "speed_distilled" or
     "speed_feature" with the shipped distilled or feature draft, "speed_other" with a draft from
     a directory, "speed_free" with the free draft alone and "speed_free_self", "speed_free_distilled",
     ... with free+NAME; then "_grounded" for the grounded prompts, "_T0.3" for a temperature
-    other than 1 and "_bfloat16" for bfloat16."""
+    other than 1 and "_bfloat16" for bfloat16; "_llama-cpp" on --backend llama-cpp."""
     from smc_sd.drafts import FREE, PACKAGE_DRAFTS, parse_draft
 
     choice = parse_draft(draft)
@@ -327,6 +364,8 @@ def results_name(draft: str | None, dtype: str = "float32", prompts_set: str = "
         name += f"_{prompts_set}"
     if temperature != 1.0:
         name += f"_T{temperature:g}"
+    if backend == "llama-cpp":
+        return f"{name}_llama-cpp"
     return name if dtype == "float32" else f"{name}_{dtype}"
 
 
@@ -369,8 +408,9 @@ def main(argv=None) -> dict:
     parser.add_argument("--no-write", action="store_true", help="print JSON only; write no files")
     parser.add_argument("--json", dest="no_write", action="store_true", help="the same as --no-write")
     parser.add_argument(
-        "--backend", choices=["hf", "vllm"], default="hf",
-        help="vllm: one vLLM engine per model (needs the vLLM environment; the draft is the target without layer 5)",
+        "--backend", choices=["hf", "vllm", "llama-cpp"], default="hf",
+        help="vllm: one vLLM engine per model (needs the vLLM environment; the draft is the target without layer 5); "
+        "llama-cpp: the shipped GGUF on llama.cpp, with --draft free or free+FILE.gguf (needs the llama extra)",
     )
     parser.add_argument(
         "--kv-compare", action="store_true",
@@ -392,6 +432,8 @@ def main(argv=None) -> dict:
         parser.error(str(error))
     if choice.free and (args.grid or args.backend == "vllm"):
         parser.error("--draft free runs its own rows on --backend hf; it takes no --grid")
+    if args.backend == "llama-cpp" and not choice.free:
+        parser.error("--backend llama-cpp runs the free-draft rows: give --draft free or free+FILE.gguf")
     if not args.temperature > 0:
         parser.error(f"--temperature must be > 0, got {args.temperature}")
     if args.prompts is not None and args.prompts < 1:
@@ -402,7 +444,14 @@ def main(argv=None) -> dict:
     from smc_sd.backends.static_hf import round_up
 
     precision = choose_precision(args.dtype)
-    if args.backend == "vllm":
+    if args.backend == "llama-cpp":
+        from smc_sd.backends.llama_cpp import LlamaCppLanguageModel
+        from smc_sd.backends.precision import Precision
+
+        precision = Precision(precision.dtype, "llama.cpp: the GGUF's own weights (Q4_1 as shipped), float32 activations")
+        target = LlamaCppLanguageModel.default(n_seq_max=16)
+        draft = LlamaCppLanguageModel(choice.lm, tokenizer=target.tokenizer, n_seq_max=16) if choice.has_lm else None
+    elif args.backend == "vllm":
         from smc_sd.backends.vllm import VLLMLanguageModel, VLLMOptions
 
         options = VLLMOptions(dtype=precision.name)
@@ -426,6 +475,8 @@ def main(argv=None) -> dict:
         configs = [c for c in configs if c.label in wanted]
     if args.backend == "vllm":
         configs = [c for c in configs if c.method != HF_GENERATE]
+    if args.backend == "llama-cpp":
+        configs = [Config(LLAMA_GENERATE) if c.method == HF_GENERATE else c for c in configs]
     if args.kv_compare and args.backend == "hf":
         configs = configs + [replace(c, kv_cache="copy") for c in configs if c.method == "smc-sd" and not c.free]
     if args.static_compare and args.backend == "hf":
@@ -452,14 +503,14 @@ def main(argv=None) -> dict:
     env = environment()
     for r in rows:
         # one target and one draft serve every row, so ar ran in this dtype too
-        r["dtype"], r["processor"] = precision.name, env["processor"]
+        r["dtype"], r["processor"] = ("gguf " + target.weight_format if args.backend == "llama-cpp" else precision.name), env["processor"]
         r["speedup_vs_ar"] = r["tokens_per_second"] / ar
         # 1 = the same mean target log-probability per token as ar; 1.03 = 3% lower (more negative)
         r["logprob_ratio_vs_ar"] = r["mean_target_logprob"] / ar_logprob
     data = {
         "benchmark": "speed",
         "backend": args.backend,
-        "model": f"SmolLM2-135M-Instruct ({precision.name}, CPU)",
+        "model": f"SmolLM2-135M-Instruct ({'gguf ' + target.weight_format if args.backend == 'llama-cpp' else precision.name}, CPU)",
         "dtype": precision.name,
         "dtype_reason": precision.reason,
         "draft": describe_draft(args.draft),
@@ -482,7 +533,7 @@ def main(argv=None) -> dict:
         },
         "rows": rows,
     }
-    name = results_name(args.draft, precision.name, args.prompts_set, args.temperature)
+    name = results_name(args.draft, precision.name, args.prompts_set, args.temperature, args.backend)
     if not args.no_write:
         data["plots"] = plot(rows, name)
     emit(name, data, write=not args.no_write)

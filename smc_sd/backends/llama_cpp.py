@@ -42,7 +42,6 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import json
-import math
 import os
 import pathlib
 
@@ -62,6 +61,7 @@ from smc_sd.backends.base import (
     check_truncate,
     check_truncate_rows,
 )
+from smc_sd.backends.pass_cost import PassCost
 
 #: the portable build of the llama extra (no -march=native: the building and the running
 #: processor may differ); README, "llama.cpp backend"
@@ -202,6 +202,12 @@ class LlamaCppLanguageModel(LanguageModel):
     @property
     def max_length(self) -> int:
         return self._max_length
+
+    @property
+    def pass_cost(self) -> PassCost:
+        """What a decode of n positions costs in one-position decodes, for this weight format
+        (PASS_COSTS; the costliest table, Q4_1's, for a format not measured)."""
+        return PASS_COSTS.get(self.weight_format, PASS_COSTS["q4_1"])
 
     def open(self, prompt: list[int], batch_size: int) -> tuple[LlamaCppSequences, torch.Tensor]:
         """Decode the prompt once for one sequence id and give its cells to `batch_size` ids.
@@ -579,6 +585,16 @@ def gguf_tokenizer(path: pathlib.Path):
 
 #: the weight formats `requantize` writes, by name
 FORMATS = {"f32": 0, "f16": 1, "q4_1": 3, "q8_0": 7}
+
+#: c(n), a decode of n new positions in one-position decodes, for the default model in each
+#: format on an AMD EPYC (AVX2, one thread; 1x5, 4x5, 8x5 and 16x5 decodes, FACTS.md). llama.cpp's
+#: 4-bit path runs one position fast and batches badly, so speculation pays least there.
+PASS_COSTS = {
+    "q4_1": PassCost("llama.cpp Q4_1, CPU (AMD EPYC, AVX2)", ((1, 1.0), (5, 3.75), (20, 12.0), (40, 23.9), (80, 47.0))),
+    "q8_0": PassCost("llama.cpp Q8_0, CPU (AMD EPYC, AVX2)", ((1, 1.0), (5, 3.09), (20, 5.85), (40, 10.4), (80, 20.5))),
+    "f16": PassCost("llama.cpp F16, CPU (AMD EPYC, AVX2)", ((1, 1.0), (5, 1.95), (20, 4.39), (40, 8.12), (80, 13.5))),
+    "f32": PassCost("llama.cpp F32, CPU (AMD EPYC, AVX2)", ((1, 1.0), (5, 1.79), (20, 3.21), (40, 4.89), (80, 9.62))),
+}
 
 
 def requantize(source, destination, weight_format: str, threads: int = 1) -> pathlib.Path:

@@ -64,7 +64,7 @@ def test_streamed_text_and_progress_line():
     "flags, message",
     [
         (["--method", "sd", "--draft", "self"], "--draft self runs on --backend hf only"),
-        (["--method", "sd"], "needs --draft free or --draft FILE.gguf"),
+        (["--method", "sd", "--draft", "free+distilled"], "--draft distilled runs on --backend hf only"),
         (["--method", "ar", "--target", "README.md"], "not a GGUF file"),
         (["--method", "ar", "--target", "missing.gguf"], "no such file"),
         (["--method", "ar", "--dtype", "bfloat16"], "runs the GGUF's own weight format"),
