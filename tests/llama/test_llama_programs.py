@@ -96,8 +96,9 @@ def test_mask_at_verify_with_the_free_draft_samples_constrained_ars_law(llama_lm
         statistic, threshold = chi_square(samples, law)
         assert statistic < threshold, (method, statistic, threshold)
         if method != "ar":
-            # the free draft proposed (the EOS the regex forces after a whole word)
-            assert proposed >= n
+            # the free draft proposed (the EOS the regex forces after a whole word) where its
+            # cost model found a two-position pass worth it
+            assert proposed > 0
 
 
 @pytest.mark.parametrize("method", ["ar", "sd", "smc-sd", "mask-at-verify"])
