@@ -120,8 +120,8 @@ class LlamaCppLanguageModel(LanguageModel):
         path: a local GGUF file.
         tokenizer: a transformers tokenizer whose token ids are the GGUF's (None: loaded from the
             GGUF by transformers, `gguf_tokenizer`).
-        n_seq_max: sequences (rows of all open `Sequences` together) the context holds, at most
-            llama.cpp's `llama_max_parallel_sequences()` (256).
+        n_seq_max: rows (of all open `Sequences` together) the context holds, at most 255:
+            llama.cpp's `llama_max_parallel_sequences()` (256) less the parking sequence.
         n_cells: KV cells of the context (None: DEFAULT_KV_BYTES worth, at least the model's
             context length).
         n_threads: threads of every decode (None: torch's thread count, i.e. OMP_NUM_THREADS).
@@ -190,7 +190,7 @@ class LlamaCppLanguageModel(LanguageModel):
     @classmethod
     def default(cls, **options) -> LlamaCppLanguageModel:
         """The embedded default model, SmolLM2-135M-Instruct, run from the shipped GGUF as it ships
-        (Q4_1 weights), with the tokenizer the hf backend uses."""
+        (Q4_1 weights), with the tokenizer the file holds (the hf backend's token ids)."""
         from smc_sd.models.smollm2 import gguf_path
 
         return cls(gguf_path(), **options)
@@ -240,9 +240,9 @@ class LlamaCppLanguageModel(LanguageModel):
             self.park(seq, 0, length)
         self._free_ids.extend(ids)
 
-    def copy(self, source: int, destination: int, end: int = -1) -> None:
-        """Add `destination` to the cells of `source` at positions 0 .. end - 1 (-1: all)."""
-        _llama.llama_memory_seq_cp(self._memory, source, destination, 0 if end >= 0 else -1, end)
+    def copy(self, source: int, destination: int) -> None:
+        """Add `destination` to every cell of `source` (the cells are shared, no byte moves)."""
+        _llama.llama_memory_seq_cp(self._memory, source, destination, -1, -1)
 
     def park(self, seq: int, start: int, length: int) -> None:
         """Remove `seq` from its cells at positions start .. length - 1, which stay held by the
