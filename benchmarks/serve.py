@@ -17,8 +17,12 @@ shared) and the same dtype (--dtype, default float32; smc-sd serve's own default
 take bfloat16 on a processor with AMX while vLLM kept float32). vLLM comes from its own environment (--vllm: its python, docs/vllm.md), serving the converted fp32
 copy of the default model; `--no-vllm` skips it.
 
+`--backend llama-cpp` serves the shipped GGUF on llama.cpp (its own weight format; --dtype names
+only vLLM's), or `--target FILE.gguf` (e.g. a Q8_0 copy), and measures ar alone (no draft model
+ships for that backend); it writes results/serve_llama-cpp.json.
+
 Usage: python benchmarks/serve.py [--requests 16] [--max-tokens 64] [--concurrency 1,4,16]
-       [--threads 1] [--dtype float32|bfloat16] [--vllm .venv-vllm/bin/python | --no-vllm] [--json]
+       [--threads 1] [--dtype float32|bfloat16] [--backend hf|llama-cpp] [--vllm .venv-vllm/bin/python | --no-vllm] [--json]
 """
 
 from __future__ import annotations
@@ -74,9 +78,11 @@ class Process:
             self.process.wait(60)
 
 
-def start_smc_sd(dtype: str, env: dict) -> tuple[Process, str]:
+def start_smc_sd(dtype: str, env: dict, backend: str = "hf", target: str | None = None) -> tuple[Process, str]:
     """`smc-sd serve --port 0` and its API base URL (read from its start line)."""
-    server = Process([sys.executable, "-m", "smc_sd.cli", "serve", "--port", "0", "--max-running", "16", "--dtype", dtype], env)
+    model = ["--dtype", dtype] if backend == "hf" else ["--backend", backend, "--draft", "free"]
+    model += ["--target", target] if target else []
+    server = Process([sys.executable, "-m", "smc_sd.cli", "serve", "--port", "0", "--max-running", "16", *model], env)
     deadline = time.monotonic() + START_SECONDS
     while time.monotonic() < deadline and server.process.poll() is None:
         found = [m.group(1) for line in server.lines if (m := re.search(r" on (http://\S+/v1)$", line))]
@@ -167,6 +173,8 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="both servers' weights and activations")
     parser.add_argument("--vllm", default=str(ROOT / ".venv-vllm" / "bin" / "python"), help="the python of the vLLM environment")
     parser.add_argument("--no-vllm", action="store_true", help="skip the vLLM anchor")
+    parser.add_argument("--backend", default="hf", choices=["hf", "llama-cpp"], help="smc-sd serve's backend (llama-cpp: ar only)")
+    parser.add_argument("--target", default=None, help="llama-cpp: a GGUF file to serve instead of the shipped one")
     parser.add_argument("--json", action="store_true", help="print the JSON object (always written to results/serve[_DTYPE].json)")
     args = parser.parse_args()
     concurrencies = [int(c) for c in args.concurrency.split(",")]
@@ -174,9 +182,12 @@ def main() -> None:
     if not args.no_vllm and not pathlib.Path(args.vllm).is_file():
         parser.error(f"--vllm {args.vllm}: no such file (install vLLM as docs/vllm.md says, or pass --no-vllm)")
 
-    server, url = start_smc_sd(args.dtype, env)
+    methods = METHODS if args.backend == "hf" else METHODS[:1]
+    if args.target is not None and args.backend == "hf":
+        parser.error("--target: a GGUF file for --backend llama-cpp")
+    server, url = start_smc_sd(args.dtype, env, args.backend, args.target)
     try:
-        rows = run_rows(url, "smc-sd", METHODS, concurrencies, args)
+        rows = run_rows(url, "smc-sd", methods, concurrencies, args)
     finally:
         server.stop()
     if not args.no_vllm:
@@ -187,18 +198,18 @@ def main() -> None:
             server.stop()
 
     top, one = max(concurrencies), min(concurrencies)
-    speedup = {method: rate(rows, "smc-sd", method, top) / rate(rows, "smc-sd", method, one) for method, _ in METHODS}
+    speedup = {method: rate(rows, "smc-sd", method, top) / rate(rows, "smc-sd", method, one) for method, _ in methods}
     vllm_top = rate(rows, "vllm", "ar", top)
     data = {
-        "environment": environment() | {"server_threads": args.threads, "dtype": args.dtype},
+        "environment": environment() | {"server_threads": args.threads, "dtype": args.dtype, "backend": args.backend, "target": args.target},
         "settings": {"requests": args.requests, "max_tokens": args.max_tokens, "concurrency": concurrencies,
-                     "methods": {label: fields for label, fields in METHODS}, "draft": "the default draft (self)"},
+                     "methods": {label: fields for label, fields in methods}, "draft": "the default draft (self)" if args.backend == "hf" else None},
         "rows": rows,
         f"speedup_c{top}": speedup,
         f"vs_vllm_c{top}": None if vllm_top is None else rate(rows, "smc-sd", "ar", top) / vllm_top,
     }
     # a bfloat16 run writes its own file, beside the float32 one
-    name = "serve" if args.dtype == "float32" else f"serve_{args.dtype}"
+    name = f"serve_{args.backend}" if args.backend != "hf" else "serve" if args.dtype == "float32" else f"serve_{args.dtype}"
     if args.json:
         emit(name, data)
         return

@@ -53,6 +53,11 @@ def test_sd_with_a_requantized_gguf_draft(q8_gguf):
     assert out["acceptance"] is not None and out["acceptance"] > 0.5
 
 
+def test_another_gguf_as_the_target(q8_gguf):
+    out = summary(run_cli("--target", str(q8_gguf), "--method", "mask-at-verify", "--draft", "free", "--regex", "(yes|no)", "--json", "Is Paris in France?"))
+    assert out["text"] in ("yes", "no") and out["complete"]
+
+
 def test_streamed_text_and_progress_line():
     done = run_cli("--method", "ar", "--max-new-tokens", "12", "--regex", "(yes|no)", "Is Paris in France?")
     assert done.returncode == 0, done.stderr[-2000:]
