@@ -23,7 +23,7 @@ QUESTION = "What is the capital of France? Answer in one sentence."
 #: - flash attention computes each query alone over its own sequence's cells in cache order, and
 #:   the backend keeps every sequence's cells in position order (`LlamaCppLanguageModel.park`);
 #: so the logits are the same bits. Any deviation is a wrong cell, position or mask, or one of
-#: the two facts failing (another llama.cpp, several threads splitting one query's cells).
+#: the two facts failing (another llama.cpp, for instance).
 LAW_ATOL = 0.0
 #: TV between this backend's next-token distribution and the hf backend's float32 one (the same
 #: 4-bit weights dequantized, activations unrounded): measured 0.05 after the chat prompt below
