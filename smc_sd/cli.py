@@ -159,7 +159,7 @@ def common_prefix(rows: list[list[int]]) -> list[int]:
 def generate(args) -> int:
     from smc_sd.backends.hf import chat_prompt
     from smc_sd.loading import load_models, model_precision
-    from smc_sd.settings import model_count
+    from smc_sd.drafts import model_count
 
     apply_generate_defaults(args)
     module, options, schedule = check_request(args)

@@ -34,6 +34,13 @@ from smc_sd.models.smollm2 import default_model_dir
 
 #: the --draft names of drafts of the default model shipped with the package
 PACKAGE_DRAFTS = ("self", "distilled", "feature")
+
+
+def model_count(args) -> int:
+    """How many models the method's program takes: 1 (the target) for ar, else 2 (target, draft)."""
+    return 1 if args.method == "ar" else 2
+
+
 #: the --draft name of the model-free draft (`smc_sd.program.FreeDraft`); "free+NAME" adds a draft LM
 FREE = "free"
 

@@ -1,4 +1,4 @@
-"""The models `--backend llama-cpp` names: judged before anything loads, then loaded.
+"""The models `--backend llama-cpp` names, judged before anything loads (`smc_sd.loading` loads them).
 
 The target is the default model's shipped GGUF as it ships (SmolLM2-135M-Instruct, Q4_1
 weights) or `--target FILE.gguf`; a draft LM is `--draft FILE.gguf` (or `free+FILE.gguf`), which
@@ -17,8 +17,7 @@ from __future__ import annotations
 import importlib.util
 import pathlib
 
-from smc_sd.drafts import PACKAGE_DRAFTS, parse_draft
-from smc_sd.settings import model_count
+from smc_sd.drafts import PACKAGE_DRAFTS, model_count, parse_draft
 
 #: rows one llama.cpp context holds: llama.cpp's 256 sequences less the parking one
 MAX_ROWS = 255
@@ -68,22 +67,3 @@ def sequences_needed(args) -> int:
     if getattr(args, "max_running", None) is not None:
         return min(args.max_running * SLOTS_PER_REQUEST, MAX_ROWS)
     return args.particles if args.particles is not None else get(args.method).DEFAULT_PARTICLES
-
-
-def load_llama_models(args):
-    """The target and (where the method and flags name one) the draft, as LlamaCppLanguageModels.
-
-    Raises:
-        ValueError: one line naming the flag whose model does not load.
-    """
-    from smc_sd.backends.llama_cpp import LlamaCppLanguageModel
-    from smc_sd.loading import loading
-
-    sequences = sequences_needed(args)
-    with loading("--target", args.target):
-        target = LlamaCppLanguageModel.default(n_seq_max=sequences) if args.target is None else LlamaCppLanguageModel(args.target, n_seq_max=sequences)
-    choice = parse_draft(args.draft)
-    if model_count(args) == 1 or choice.lm is None:
-        return target, None
-    with loading("--draft", choice.lm):
-        return target, LlamaCppLanguageModel(choice.lm, tokenizer=target.tokenizer, n_seq_max=sequences)

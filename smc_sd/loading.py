@@ -9,7 +9,8 @@ import os
 import torch
 
 from smc_sd.backends.precision import Precision, choose_precision
-from smc_sd.settings import model_count, one_line
+from smc_sd.drafts import model_count
+from smc_sd.settings import one_line
 
 
 def model_precision(args) -> Precision:
@@ -31,8 +32,6 @@ def load_models(args):
     if args.backend == "vllm":
         return load_vllm_models(args)
     if args.backend == "llama-cpp":
-        from smc_sd.llama_models import load_llama_models
-
         return load_llama_models(args)
     from transformers.utils import logging as transformers_logging
 
@@ -94,3 +93,23 @@ def load_vllm_models(args):
         with loading("--draft", choice.lm):
             return target, VLLMLanguageModel(choice.lm, options)
     return target, VLLMLanguageModel.self_draft(options)
+
+
+def load_llama_models(args):
+    """The target and (where the method and flags name one) the draft, as LlamaCppLanguageModels.
+
+    Raises:
+        ValueError: one line naming the flag whose model does not load.
+    """
+    from smc_sd.backends.llama_cpp import LlamaCppLanguageModel
+    from smc_sd.drafts import parse_draft
+    from smc_sd.llama_models import sequences_needed
+
+    sequences = sequences_needed(args)
+    with loading("--target", args.target):
+        target = LlamaCppLanguageModel.default(n_seq_max=sequences) if args.target is None else LlamaCppLanguageModel(args.target, n_seq_max=sequences)
+    choice = parse_draft(args.draft)
+    if model_count(args) == 1 or choice.lm is None:
+        return target, None
+    with loading("--draft", choice.lm):
+        return target, LlamaCppLanguageModel(choice.lm, tokenizer=target.tokenizer, n_seq_max=sequences)

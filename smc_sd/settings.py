@@ -19,6 +19,7 @@ import torch
 from smc_sd.backends.precision import DTYPES as HF_DTYPES
 from smc_sd.compiler.plan import check_settings
 from smc_sd.program import Schedule
+from smc_sd.drafts import model_count
 from smc_sd.programs import get
 
 
@@ -52,11 +53,6 @@ def check_program(settings, constraints: tuple, spell=flag):
     # the program about to run, its models not loaded yet: check_settings reads no model
     check_settings(module.program(*[None] * model_count(settings), **options), schedule)
     return module, options, schedule
-
-
-def model_count(args) -> int:
-    """How many models the method's program takes: 1 (the target) for ar, else 2 (target, draft)."""
-    return 1 if args.method == "ar" else 2
 
 
 def check_device(device: str) -> None:

@@ -174,7 +174,7 @@ def request_draft(body: dict, method: str, structured: bool, model: ServedModel)
         APIError: 400 for a draft with ar, or a draft the server has not loaded (naming the
             loaded ones).
     """
-    from smc_sd.settings import model_count
+    from smc_sd.drafts import model_count
 
     draft = read(body, "draft", STRING)
     if model_count(SimpleNamespace(method=method)) == 1:
