@@ -36,7 +36,8 @@ def check_gguf_file(flag: str, path: str) -> None:
 def check_llama_choice(args) -> None:
     """Refuse, before loading, llama-cpp model choices that cannot work: a missing
     llama-cpp-python, paths that are not GGUF files, a packaged draft, an LM method without a
-    draft, and a --dtype (the GGUF's own weight format runs)."""
+    draft, and a --dtype (the GGUF's own weight format runs). Called by
+    `smc_sd.settings.check_model_choice`, which has judged what every backend shares."""
     from smc_sd.backends.llama_cpp import INSTALL
 
     if importlib.util.find_spec("llama_cpp") is None:
@@ -45,9 +46,8 @@ def check_llama_choice(args) -> None:
         raise ValueError(f"--dtype {args.dtype}: --backend llama-cpp runs the GGUF's own weight format; give a GGUF file in the format wanted")
     if args.target is not None:
         check_gguf_file("--target", args.target)
+    # settings.check_model_choice has refused a --draft for ar
     if model_count(args) == 1:
-        if args.draft is not None:
-            raise ValueError(f"--method {args.method} drafts nothing; drop --draft or use sd or smc-sd")
         return
     choice = parse_draft(args.draft)
     if choice.lm in PACKAGE_DRAFTS:

@@ -82,6 +82,8 @@ def check_model_choice(args) -> None:
     """Refuse model choices that cannot work, before loading anything: paths that hold no model,
     a --draft for ar, a package draft (a draft of the default model) or no draft with another
     --target, and on vLLM a distilled restricted-vocabulary or a feature-reading draft."""
+    if model_count(args) == 1 and args.draft is not None:
+        raise ValueError(f"--method {args.method} drafts nothing; drop --draft or use sd or smc-sd")
     if args.backend == "llama-cpp":
         from smc_sd.llama_models import check_llama_choice
 
@@ -91,8 +93,6 @@ def check_model_choice(args) -> None:
     if args.target is not None:
         check_model_dir("--target", args.target)
     if model_count(args) == 1:
-        if args.draft is not None:
-            raise ValueError(f"--method {args.method} drafts nothing; drop --draft or use sd or smc-sd")
         return
     choice = parse_draft(args.draft)
     if not choice.has_lm:
