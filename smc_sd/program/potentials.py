@@ -30,7 +30,6 @@ import torch
 
 from smc_sd.program.byte_vocabulary import vocabulary_trie
 from smc_sd.program.constraints import ConjunctionConstraint, TokenConstraint
-from smc_sd.program.languages import Language
 from smc_sd.program.scores import BlockPotential
 
 
@@ -152,6 +151,8 @@ def as_token_constraint(constraint, lm) -> TokenConstraint:
 
 
 def _lower(constraint, lm) -> TokenConstraint:
+    # llguidance loads with the first constraint: an unconstrained run needs none
+    from smc_sd.program.languages import Language
     from smc_sd.program.llguidance_masks import GrammarConstraint
 
     if isinstance(constraint, Language):
