@@ -19,7 +19,7 @@ is complete and valid (jsonschema), and the ratio of its tokens/s to constrained
 same item. `ratios` holds the geometric mean of the per-item ratios (and the smallest) per row.
 Timings depend on the machine: the processor, its bf16 support and the dtype are recorded.
 
-    OMP_NUM_THREADS=1 python benchmarks/extraction.py [--temperature 0.3] [--dtype auto] [--items 29] [--json]
+    OMP_NUM_THREADS=1 python benchmarks/extraction.py [--temperature 0.3] [--dtype auto] [--backend hf|llama-cpp] [--items 29] [--json]
 """
 
 from __future__ import annotations
@@ -104,7 +104,8 @@ def geometric_mean(values: list[float]) -> float:
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--temperature", type=float, default=0.3)
-    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
+    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"], help="hf backend: the models' dtype")
+    parser.add_argument("--backend", default="hf", choices=["hf", "llama-cpp"], help="llama-cpp: the shipped GGUF as it ships (Q4_1), free-draft rows only")
     parser.add_argument("--layout", default="compact", choices=["compact", "flexible"], help="the JSON layout of the schema's grammar")
     parser.add_argument("--items", type=int, default=None, help="how many items (default all)")
     parser.add_argument("--rows", default=",".join(ROWS), help="comma-separated row labels")
@@ -116,13 +117,22 @@ def main(argv=None) -> dict:
     unknown = [label for label in labels if label not in ROWS]
     if unknown:
         parser.error(f"unknown rows {unknown}; choose from {list(ROWS)}")
+    if args.backend == "llama-cpp" and any("distilled" in label for label in labels):
+        parser.error("the distilled draft runs on --backend hf only; drop its row")
 
     from smc_sd.backends.hf import HFLanguageModel, chat_prompt
     from smc_sd.backends.precision import choose_precision
     from smc_sd.drafts import distilled_draft
 
     precision = choose_precision(args.dtype, "cpu")
-    target = HFLanguageModel.default(dtype=precision.dtype)
+    if args.backend == "llama-cpp":
+        from smc_sd.backends.llama_cpp import LlamaCppLanguageModel
+        from smc_sd.backends.precision import Precision
+
+        target = LlamaCppLanguageModel.default(n_seq_max=max(ROWS[label][2] for label in labels))
+        precision = Precision(precision.dtype, f"llama.cpp: the GGUF's own weights ({target.weight_format} as shipped)")
+    else:
+        target = HFLanguageModel.default(dtype=precision.dtype)
     distilled = distilled_draft(dtype=precision.dtype) if any("distilled" in label for label in labels) else None
     items = json.loads(ITEMS.read_text())[: args.items]
     per_item = []
@@ -168,7 +178,8 @@ def main(argv=None) -> dict:
     data = {
         "benchmark": "extraction",
         "environment": environment(),
-        "dtype": precision.name,
+        "backend": args.backend,
+        "dtype": precision.name if args.backend == "hf" else "gguf",
         "dtype_reason": precision.reason,
         "temperature": args.temperature,
         "layout": args.layout,
@@ -180,7 +191,7 @@ def main(argv=None) -> dict:
         "ratios": ratios,
         "items": per_item,
     }
-    emit(f"extraction_T{args.temperature:g}_{precision.name}", data, write=not args.no_write)
+    emit(f"extraction_T{args.temperature:g}_{precision.name if args.backend == 'hf' else 'llama-cpp'}", data, write=not args.no_write)
     return data
 
 
