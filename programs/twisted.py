@@ -22,10 +22,16 @@ def potential_twist(potential, lm: LanguageModel):
     """log psi(prefixes) = [potential.prefix(bytes(prefix_b))]_b, a twist for `Program.twist`.
 
     Args:
-        potential: a genlm-control `Potential` over bytes.
+        potential: a genlm-control `Potential` over bytes, or a `Language` (a regex, grammar or
+            schema as `constrained.potentials` builds it: its boolean potential is the twist).
         lm: the model whose token ids the prefixes hold.
     """
+    from smc_sd.program.grammars import GrammarPotential
+    from smc_sd.program.languages import Language
     from smc_sd.program.potentials import vocabulary_trie
+
+    if isinstance(potential, Language):
+        potential = GrammarPotential(potential)
 
     vocabulary = vocabulary_trie(lm)[0]
     loop = asyncio.new_event_loop()

@@ -31,14 +31,20 @@ DTYPES = [*HF_DTYPES, "float16"]
 # pass over its tokens pays; and the 135M model samples poorly: at T = 0.3 a third of its answers
 # to "What is the capital of France?" start in French (its first token: "The" 0.46, "L" 0.35).
 DEFAULT_METHOD = "sd"
+#: the default under a constraint: sd with the constraint's masks (the locally projected law)
+CONSTRAINED_METHOD = "mask-at-verify"
 DEFAULT_DRAFT = "free"
 #: smc-sd's default temperature: it weights samples, so it needs T > 0
 SMC_TEMPERATURE = 0.3
 
 
 def apply_generate_defaults(args) -> None:
-    """Fill the flags left unset with the defaults above: T = 0 (SMC_TEMPERATURE for smc-sd),
-    and the free draft for every method that takes a draft."""
+    """Fill the flags left unset with the defaults above: sd (mask-at-verify under a
+    constraint), T = 0 (SMC_TEMPERATURE for smc-sd), and the free draft for every method that
+    takes a draft."""
+    if args.method is None:
+        constrained = any(getattr(args, flag) is not None for flag in ("regex", "grammar", "json_schema"))
+        args.method = CONSTRAINED_METHOD if constrained else DEFAULT_METHOD
     if args.temperature is None:
         args.temperature = SMC_TEMPERATURE if args.method == "smc-sd" else 0.0
     if args.draft is None and args.method != "ar":
@@ -57,7 +63,7 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
     g = commands.add_parser("generate", help="sample a completion of one prompt")
     g.add_argument("prompt", help="an instruction (wrapped in the chat template unless --raw)")
-    g.add_argument("--method", choices=sorted(MODULES), default=DEFAULT_METHOD, help=f"the decoding program (default {DEFAULT_METHOD}: exact speculative decoding, whose output law is the target's)")
+    g.add_argument("--method", choices=sorted(MODULES), default=None, help=f"the decoding program (default {DEFAULT_METHOD}: exact speculative decoding, whose output law is the target's; {CONSTRAINED_METHOD} under --regex, --grammar or --json-schema)")
     g.add_argument("--particles", type=int, default=None, help="N (default: the method's own, 4 for smc-sd)")
     g.add_argument("--draft-len", type=int, default=None, help="K, draft tokens per particle per cycle (default 4)")
     g.add_argument("--max-new-tokens", type=int, default=128)

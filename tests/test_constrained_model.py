@@ -90,3 +90,10 @@ def test_cli_warns_and_fails_when_no_answer_is_complete(capsys):
     captured = capsys.readouterr()
     assert code == 1 and "no particle completed" in captured.err
     assert json.loads(captured.out)["complete"] is False
+
+
+def test_the_default_method_under_a_constraint_is_mask_at_verify(capsys):
+    code = main(["generate", "--regex", r"(Yes|No)\.", "--json", "Is Paris in France?"])
+    summary = json.loads(capsys.readouterr().out)
+    assert code == 0 and summary["method"] == "mask-at-verify" and summary["temperature"] == 0.0
+    assert summary["complete"] and summary["text"] in ("Yes.", "No.")
