@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from smc_sd.engine.resampling import RESAMPLERS, effective_sample_size, log_mean_weight, resample
+from smc_sd.engine.resampling import RESAMPLERS, effective_sample_size, log_mean_weight, resample, resample_on_ess
 
 
 @pytest.mark.parametrize("scheme", sorted(RESAMPLERS))
@@ -79,3 +79,14 @@ def test_round_off_never_picks_a_zero_weight_particle(scheme, monkeypatch):
     # a zero weight in the middle is skipped too
     logw = torch.tensor([0.0, -math.inf, 0.0, -math.inf], dtype=torch.float64)
     assert set(resample(logw, torch.Generator(), scheme).tolist()) <= {0, 2}
+
+
+def test_resample_on_ess_resamples_below_the_threshold_and_never_a_dead_population():
+    generator = torch.Generator().manual_seed(0)
+    # ESS of [0, 0, -inf, -inf] is 2 of 4: below tau = 0.75, not below tau = 0.5
+    logw = torch.tensor([0.0, 0.0, -math.inf, -math.inf], dtype=torch.float64)
+    ess, ancestors, step = resample_on_ess(logw, 0.75, generator)
+    assert ess == pytest.approx(2.0) and set(ancestors.tolist()) <= {0, 1} and step == pytest.approx(log_mean_weight(logw))
+    assert resample_on_ess(logw, 0.5, generator) == (pytest.approx(2.0), None, 0.0)
+    # every weight zero: nothing to draw from; the caller ends the run instead
+    assert resample_on_ess(torch.full((4,), -math.inf, dtype=torch.float64), 0.5, generator) == (0.0, None, 0.0)

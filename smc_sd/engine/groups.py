@@ -29,7 +29,7 @@ import torch
 
 from smc_sd.engine.drafting import BlockDrafter, DraftBlock, block_masks, first_token_mask, trim_at_eos
 from smc_sd.engine.free_drafts import FreeDrafter
-from smc_sd.engine.resampling import effective_sample_size, log_mean_weight, resample
+from smc_sd.engine.resampling import resample_on_ess
 from smc_sd.engine.result import AllParticlesDiedError, CycleStats, Result, mask_stats
 from smc_sd.engine.slots import SlotTable
 from smc_sd.engine.smc import advance, conclude, cycle_masks, first_particles, rescore_block_end, verify_block
@@ -249,18 +249,16 @@ class ImportanceGroup(Group):
         draft_rows = table.draft_row[slots].masked_fill(advanced.finished, -1)
         self.tokens_out += rows * tokens_this_cycle
         self.draft_passes += k
-        ess = effective_sample_size(advanced.logw)
+        ess, ancestors, log_z_step = resample_on_ess(advanced.logw, plan.ess_threshold, self.generator, plan.resampling)
         if ess == 0.0:
             self.cycles.append(CycleStats(ess, False, -math.inf, tokens_this_cycle, n, rows=rows))
             self._store(advanced, stopped, target_rows, draft_rows)
             raise AllParticlesDiedError("every particle reached weight zero", self.result_with(advanced.logw, -math.inf, 0, True, None))
-        resampled = ess < plan.ess_threshold * n
-        if resampled:
-            self.log_z += log_mean_weight(advanced.logw)
-            ancestors = resample(advanced.logw, self.generator, plan.resampling)
+        if ancestors is not None:
+            self.log_z += log_z_step
             advanced = advanced.take(ancestors)
             stopped, target_rows, draft_rows = stopped[ancestors], target_rows[ancestors], draft_rows[ancestors]
-        self.cycles.append(CycleStats(ess, resampled, self.log_z, tokens_this_cycle, n, rows=rows))
+        self.cycles.append(CycleStats(ess, ancestors is not None, self.log_z, tokens_this_cycle, n, rows=rows))
         self._store(advanced, stopped, target_rows, draft_rows)
 
     def result(self, kv: dict | None) -> Result:

@@ -121,10 +121,13 @@ def log_mean_weight(logw: torch.Tensor) -> float:
 
 
 def resample_on_ess(logw: torch.Tensor, threshold: float, generator: torch.Generator, scheme: str = "systematic") -> tuple[float, torch.Tensor | None, float]:
-    """One cycle's resampling decision: resample when ESS < threshold · N.
+    """One cycle's resampling decision: resample when 0 < ESS < threshold · N.
+
+    A population whose every weight is zero (ESS 0) is not resampled: there is nothing to draw
+    from, and the caller ends the run (`AllParticlesDiedError`).
 
     Args:
-        logw: [N] float64 log weights relative to the last resampling, at least one finite.
+        logw: [N] float64 log weights relative to the last resampling.
         threshold: tau in [0, 1].
 
     Returns:
@@ -133,6 +136,6 @@ def resample_on_ess(logw: torch.Tensor, threshold: float, generator: torch.Gener
         (ess, None, 0.0).
     """
     ess = effective_sample_size(logw)
-    if ess >= threshold * logw.numel():
+    if ess == 0.0 or ess >= threshold * logw.numel():
         return ess, None, 0.0
     return ess, resample(logw, generator, scheme), log_mean_weight(logw)
