@@ -43,7 +43,7 @@ def apply_generate_defaults(args) -> None:
     constraint), T = 0 (SMC_TEMPERATURE for smc-sd), and the free draft for every method that
     takes a draft."""
     if args.method is None:
-        constrained = any(getattr(args, flag) is not None for flag in ("regex", "grammar", "json_schema"))
+        constrained = any(value is not None for value in (args.regex, args.grammar, args.json_schema))
         args.method = CONSTRAINED_METHOD if constrained else DEFAULT_METHOD
     if args.temperature is None:
         args.temperature = SMC_TEMPERATURE if args.method == "smc-sd" else 0.0

@@ -58,6 +58,8 @@ __all__ = ["BatchEngine", "Event", "Handle", "QueueFullError", "Request", "RowsO
 
 #: slots per running request when the engine is not told how many to keep
 SLOTS_PER_REQUEST = 16
+
+
 class RowsOfOneLengthError(ValueError):
     """A request needs rows of different lengths, which the backend cannot hold (bad input for
     this server, not a failure of the engine)."""
