@@ -4,9 +4,8 @@ A backend owns one model. `LanguageModel.open(prompt, batch)` runs the prompt's 
 returns a `Sequences`: `batch` rows that all start with the prompt. Rows may come to differ in
 length: `join` adds rows of another prompt (a request joining a batch) and `truncate_rows` rolls
 each row back to its own length; `extend` then appends at each row's own positions. Backends
-that keep rows of one length only (the copy and static HF caches, vllm, dry_run, feature
-drafts) refuse both with
-NotImplementedError (`truncate_rows` to one common length still works there).
+that keep rows of one length only (the copy and static HF caches, dry_run, feature drafts)
+refuse both with NotImplementedError (`truncate_rows` to one common length still works there).
 
 Dimension letters (see `smc_sd.engine`): B rows, L new tokens, V vocabulary.
 

