@@ -172,12 +172,6 @@ def free_draft_option(settings, accepted, method: str) -> dict:
             "smc-sd with a free draft extends particles by exact speculative sampling of the "
             "locally masked target, with the free draft alone: use --draft free"
         )
-    # the server judges requests without a backend here; its engine refuses such a request itself
-    if settings.method == "smc-sd" and getattr(settings, "backend", None) == "vllm":
-        raise ValueError(
-            "smc-sd with a free draft keeps particles of different lengths, which --backend vllm "
-            "cannot hold yet; use --backend hf, or sd or mask-at-verify with --draft free on vllm"
-        )
     if not parse_draft(draft).has_lm and settings.draft_len is not None:
         return {"free_draft": FreeDraft(max_len=settings.draft_len, cost_aware=False)}
     return {"free_draft": FreeDraft()}

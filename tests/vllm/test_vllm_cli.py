@@ -1,4 +1,5 @@
-"""The command line on `--backend vllm` under a constraint, each run in a fresh interpreter.
+"""The command line on `--backend vllm` under a constraint and with the free draft, each run in a
+fresh interpreter.
 
 A fresh process is the point: the constraint path imports genlm-control (which imports
 genlm-backend's vLLM module and numba) before the vLLM engine is built, an order the in-process
@@ -50,3 +51,13 @@ def test_json_schema_runs_on_vllm(tmp_path):
     summary = run_cli("--method", "mask-at-verify", "--json-schema", str(schema_file), "--max-new-tokens", "40", QUESTION)
     assert summary["complete"]
     jsonschema.validate(json.loads(summary["text"]), SCHEMA)
+
+
+def test_smc_sd_with_the_free_draft_runs_on_vllm():
+    """Particles that end cycles at different lengths: rows vLLM now holds."""
+    summary = run_cli("--method", "smc-sd", "--draft", "free", "--particles", "4", "--max-new-tokens", "24",
+                      "Repeat exactly: the quick brown fox jumps over the lazy dog.")
+    assert summary["method"] == "smc-sd" and summary["particles"] == 4
+    assert 1 <= summary["new_tokens"] <= 24 and summary["text"]
+    # the free draft found the sentence in the prompt: fewer target passes than positions
+    assert summary["target_passes"] < summary["positions"]
