@@ -45,7 +45,8 @@ class Server:
         name: the model name clients send and /v1/models lists.
         default_draft: the draft of requests that name none and have no structured output
             (default: the first loaded, else "free").
-        ragged_rows: whether the backend holds rows of different lengths (vLLM's do not).
+        ragged_rows: whether the backend holds rows of different lengths (hf, vLLM and
+            llama.cpp all do; a backend of one-length rows would not).
     """
 
     def __init__(self, engine, target, drafts: dict | None, name: str, default_draft: str | None = None, ragged_rows: bool = True):

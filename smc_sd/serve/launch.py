@@ -121,7 +121,7 @@ def serve(args) -> int:
     drafts = load_drafts(args, target, draft)
     engine = BatchEngine(target, list(drafts.values()), max_running=args.max_running, max_waiting=args.max_waiting)
     name = args.target or MODEL_NAME
-    server = Server(engine, target, drafts, name, default_draft="free" if names[0] == "free" else None, ragged_rows=args.backend != "vllm")
+    server = Server(engine, target, drafts, name, default_draft="free" if names[0] == "free" else None)
     host, port = sock.getsockname()[:2]
     shown_host = f"[{host}]" if ":" in host else host
     print(f"smc-sd serve: {name} on http://{shown_host}:{port}/v1", file=sys.stderr, flush=True)
