@@ -63,7 +63,7 @@ def processor() -> str:
 def json_valid(text: str) -> bool:
     import jsonschema
 
-    from smc_sd.program.json_validation import schema_validator
+    from smc_sd.constraints.json_validation import schema_validator
 
     try:
         return schema_validator(SCHEMA).is_valid(json.loads(text))
@@ -84,10 +84,7 @@ def percentile(values: list[float], q: float) -> float:
 
 def run_smc_sd(program, prompt, schedule, seed) -> tuple[dict, list[float]]:
     """One run; returns its figures and the mask latencies (seconds per particle-position)."""
-    from smc_sd.compiler import compile_program
-
-    plan = compile_program(program, schedule, prompt_length=len(prompt))
-    result = plan.execute(prompt, seed=seed)
+    result = program.run(prompt, schedule, seed=seed)
     mean_length = sum(len(p) for p in result.particles) / len(result.particles)
     figures = {
         "text": result.text,
@@ -98,7 +95,7 @@ def run_smc_sd(program, prompt, schedule, seed) -> tuple[dict, list[float]]:
         "tokens_per_second": mean_length / result.seconds,
         "mask_seconds": result.mask_seconds,
     }
-    return figures, plan.masker.row_seconds if plan.masker is not None else []
+    return figures, list(result.mask_row_seconds)
 
 
 def run_genlm_awrs(genlm_llm, prompt, particles, max_tokens, seed) -> dict:
@@ -123,7 +120,7 @@ def llguidance_latencies(grammar: str, lm, tokens: list[int]) -> list[float]:
     import llguidance.torch
     import torch
 
-    from smc_sd.program.llguidance_masks import lm_tokenizer
+    from smc_sd.constraints.llguidance_masks import lm_tokenizer
 
     tokenizer = lm_tokenizer(lm)[0]
     matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
@@ -159,7 +156,7 @@ def main(argv=None) -> dict:
 
     from smc_sd.backends.hf import chat_prompt
     from smc_sd.program import Schedule
-    from smc_sd.program.grammars import Grammar, JsonSchema
+    from smc_sd.constraints.grammars import Grammar, JsonSchema
     from smc_sd.programs import smc_speculative
 
     target, draft = load_default_models()

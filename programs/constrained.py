@@ -12,7 +12,7 @@ the local projection itself.
 
 from smc_sd.backends.base import LanguageModel
 from smc_sd.program import Program
-from smc_sd.program.languages import json_schema_language, lark_language, regex_language
+from smc_sd.constraints.languages import json_schema_language, lark_language, regex_language
 from smc_sd.programs import smc_speculative
 
 DEFAULT_PARTICLES = 4

@@ -26,9 +26,9 @@ def potential_twist(potential, lm: LanguageModel):
             schema as `constrained.potentials` builds it: its boolean potential is the twist).
         lm: the model whose token ids the prefixes hold.
     """
-    from smc_sd.program.grammars import GrammarPotential
-    from smc_sd.program.languages import Language
-    from smc_sd.program.potentials import vocabulary_trie
+    from smc_sd.constraints.grammars import GrammarPotential
+    from smc_sd.constraints.languages import Language
+    from smc_sd.constraints.potentials import vocabulary_trie
 
     if isinstance(potential, Language):
         potential = GrammarPotential(potential)

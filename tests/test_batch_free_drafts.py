@@ -19,8 +19,8 @@ from smc_sd.backends.toy import ToyLM
 from smc_sd.engine.batch import BatchEngine, Request
 from smc_sd.metrics import empirical, total_variation, tv_tolerance
 from smc_sd.program import FreeDraft, Schedule
-from smc_sd.program.grammars import JsonSchema, Regex
-from smc_sd.program.potentials import as_token_constraint
+from smc_sd.constraints.grammars import JsonSchema, Regex
+from smc_sd.constraints.potentials import as_token_constraint
 from smc_sd.programs import autoregressive, mask_at_verify, smc_speculative, speculative
 from smc_sd.serve.errors import run_failed
 from tests.test_batch_engine import alone, assert_same_outcome, outcome

@@ -1,5 +1,5 @@
 """Compiled constraints are kept by content, within a bound, and nothing a finished run used stays
-reachable (smc_sd.program.compiled_grammars):
+reachable (smc_sd.constraints.compiled_grammars):
 
 - one schema built twice, as two objects, compiles once for a tokenizer; another layout of it is
   another grammar and compiles again;
@@ -21,15 +21,15 @@ import pytest
 import torch
 from genlm.control import Potential
 
-import smc_sd.program.compiled_grammars as compiled_grammars
-import smc_sd.program.potentials as potentials_module
+import smc_sd.constraints.compiled_grammars as compiled_grammars
+import smc_sd.constraints.potentials as potentials_module
 from smc_sd.program import Schedule
-from smc_sd.program.compiled_grammars import LRUCache
-from smc_sd.program.grammars import JsonSchema
-from smc_sd.program.languages import json_schema_language, regex_language
-from smc_sd.program.llguidance_masks import GrammarConstraint
-from smc_sd.program.matcher_pool import MatcherPool
-from smc_sd.program.potentials import as_token_constraint
+from smc_sd.constraints.compiled_grammars import LRUCache
+from smc_sd.constraints.grammars import JsonSchema
+from smc_sd.constraints.languages import json_schema_language, regex_language
+from smc_sd.constraints.llguidance_masks import GrammarConstraint
+from smc_sd.constraints.matcher_pool import MatcherPool
+from smc_sd.constraints.potentials import as_token_constraint
 from smc_sd.programs import autoregressive, smc_speculative
 from tests.test_llguidance import WordLM
 
@@ -102,7 +102,7 @@ def test_a_grammar_llguidance_refuses_is_an_error_and_is_not_kept(monkeypatch):
 
 
 def llguidance_tokenizer():
-    from smc_sd.program.llguidance_masks import lm_tokenizer
+    from smc_sd.constraints.llguidance_masks import lm_tokenizer
 
     return lm_tokenizer(WordLM(JSON_WORDS))[0]
 

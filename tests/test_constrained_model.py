@@ -56,8 +56,8 @@ def test_constrained_smc_sd_output_validates(default_lm, default_draft, name):
 
 
 def test_masks_never_allow_special_tokens_or_padding_rows(default_lm):
-    from smc_sd.program.llguidance_masks import GrammarConstraint
-    from smc_sd.program.grammars import JsonSchema
+    from smc_sd.constraints.llguidance_masks import GrammarConstraint
+    from smc_sd.constraints.grammars import JsonSchema
 
     tokenizer = default_lm.tokenizer
     special = [t for t in tokenizer.all_special_ids + list(tokenizer.added_tokens_decoder) if t != tokenizer.eos_token_id]

@@ -15,7 +15,7 @@ from smc_sd.backends.toy import ToyLM
 from smc_sd.engine.result import AllParticlesDiedError
 from smc_sd.metrics import empirical, total_variation, tv_tolerance
 from smc_sd.program import Schedule
-from smc_sd.program.constraints import PredicateConstraint, UnsatisfiableConstraintError
+from smc_sd.constraints.token_constraints import PredicateConstraint, UnsatisfiableConstraintError
 from smc_sd.programs import mask_at_verify, smc_speculative
 from tests.toy_programs import PROMPT, sample_completions, target_and_draft
 
@@ -136,7 +136,7 @@ def test_fsa_masks_equal_the_predicate_masks():
 
     target, _ = target_and_draft()
     fsa = genlm.BoolFSA.from_regex("|".join(LANGUAGE))
-    from smc_sd.program.potentials import as_token_constraint
+    from smc_sd.constraints.potentials import as_token_constraint
 
     lowered = as_token_constraint(fsa, target)
     reference = language_constraint()
@@ -185,7 +185,7 @@ def test_json_schema_potential_accepts_only_valid_documents(schema, good, bad):
 
     import jsonschema
 
-    from smc_sd.program.grammars import JsonSchema
+    from smc_sd.constraints.grammars import JsonSchema
 
     jsonschema.validate(json.loads(good), schema)
     compact = json.dumps(json.loads(good), separators=(",", ":"))
@@ -211,7 +211,7 @@ def test_potential_twist_scores_decoded_prefixes():
 
 
 def test_block_end_potential_composes_with_a_constraint():
-    from smc_sd.program.scores import FunctionPotential
+    from smc_sd.constraints.scores import FunctionPotential
 
     target, draft = target_and_draft(noise=1.0)
     constraint = language_constraint(("ab", "ba", "bb", "cab", "a", "cc"))

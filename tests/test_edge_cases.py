@@ -12,7 +12,7 @@ from smc_sd.engine.sampling import sample_tokens, tempered_logprobs
 from smc_sd.engine.speculative import accept_or_resample
 from smc_sd.metrics import empirical, total_variation, tv_tolerance
 from smc_sd.program import Schedule
-from smc_sd.program.constraints import PredicateConstraint
+from smc_sd.constraints.token_constraints import PredicateConstraint
 from smc_sd.programs import autoregressive, mask_at_verify, smc_speculative, speculative
 from smc_sd.testing import assert_logits_valid
 from tests.toy_programs import PROMPT, sample_completions, target_and_draft

@@ -7,9 +7,9 @@ import pathlib
 import llguidance
 import pytest
 
-from smc_sd.program.grammars import JsonSchema
-from smc_sd.program.json_validation import schema_validator
-from smc_sd.program.languages import byte_tokenizer
+from smc_sd.constraints.grammars import JsonSchema
+from smc_sd.constraints.json_validation import schema_validator
+from smc_sd.constraints.languages import byte_tokenizer
 
 ITEMS = json.loads((pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "extraction_items.json").read_text())
 # llguidance's fixed JSON layout: no free whitespace, separators without spaces

@@ -15,8 +15,8 @@ from smc_sd.backends.pass_cost import CPU_BFLOAT16_NATIVE, CPU_FLOAT32, CUDA, Pa
 from smc_sd.engine.free_drafts import DECAY, FreeDrafter, best_block_length
 from smc_sd.metrics import empirical, total_variation, tv_tolerance
 from smc_sd.program import FreeDraft, Schedule
-from smc_sd.program.grammars import Regex
-from smc_sd.program.potentials import as_token_constraint
+from smc_sd.constraints.grammars import Regex
+from smc_sd.constraints.potentials import as_token_constraint
 from smc_sd.programs import autoregressive, mask_at_verify, smc_speculative, speculative
 from tests.test_constraints import MAX_TOKENS as LANGUAGE_TOKENS, in_language, language_constraint
 from tests.test_llguidance import WordLM

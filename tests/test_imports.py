@@ -9,6 +9,10 @@
   run). `from P import name` is an edge to the submodule P.name when that is a module, else to
   P; the parent packages Python initialises on the way to a module are not edges (a package's
   `__init__` re-exporting its submodules forms no circle).
+- `test_the_packages_form_layers`: the same graph with each subpackage of smc_sd (program,
+  compiler, engine, constraints, backends, ...) and each top-level module (api, cli, ...) as one
+  node is acyclic too: the program is data that runs through `smc_sd.api`, the engine compiles
+  and runs plans, the compiler lowers programs, and none of them reaches back up.
 - `test_every_module_imports_alone`: each module of smc_sd and smc_sd.programs is the first
   smc_sd module imported in its interpreter, so it imports in whatever order its own imports
   impose. One interpreter loads the third-party packages the tree imports at module level, then
@@ -141,10 +145,27 @@ with open(out, "w") as file:
 def test_the_import_graph_has_no_circle():
     graph = import_graph()
     # the graph is read from the files: a module that moves must still be seen importing
-    assert graph.has_edge("smc_sd.program.potentials", "smc_sd.program.scores")
+    assert graph.has_edge("smc_sd.constraints.potentials", "smc_sd.constraints.scores")
     assert graph.has_edge("smc_sd.backends.hf", "smc_sd.models.smollm2")
     circles = sorted(" -> ".join(circle + circle[:1]) for circle in nx.simple_cycles(graph))
     assert not circles, "import circles:\n" + "\n".join(circles)
+
+
+def package_of(module: str) -> str:
+    """The node of the package graph a module belongs to: smc_sd.X for anything under smc_sd.X."""
+    return ".".join(module.split(".")[:2])
+
+
+def test_the_packages_form_layers():
+    graph = nx.DiGraph()
+    for a, b in import_graph().edges():
+        if package_of(a) != package_of(b):
+            graph.add_edge(package_of(a), package_of(b))
+    # the layers, top to bottom, as the graph must show them
+    assert graph.has_edge("smc_sd.program", "smc_sd.api") and graph.has_edge("smc_sd.api", "smc_sd.engine")
+    assert graph.has_edge("smc_sd.engine", "smc_sd.compiler") and graph.has_edge("smc_sd.compiler", "smc_sd.constraints")
+    circles = sorted(" -> ".join(circle + circle[:1]) for circle in nx.simple_cycles(graph))
+    assert not circles, "circles between packages:\n" + "\n".join(circles)
 
 
 def test_every_module_imports_alone(tmp_path):

@@ -13,9 +13,9 @@ import torch
 from smc_sd.backends.toy import ToyLM
 from smc_sd.metrics import empirical, total_variation, tv_tolerance
 from smc_sd.program import Schedule
-from smc_sd.program.grammars import Grammar, JsonSchema, Regex
-from smc_sd.program.llguidance_masks import GrammarConstraint, unpack_bitmask
-from smc_sd.program.potentials import BytePotentialConstraint, as_token_constraint
+from smc_sd.constraints.grammars import Grammar, JsonSchema, Regex
+from smc_sd.constraints.llguidance_masks import GrammarConstraint, unpack_bitmask
+from smc_sd.constraints.potentials import BytePotentialConstraint, as_token_constraint
 from smc_sd.programs import mask_at_verify, smc_speculative
 from tests.toy_programs import PROMPT, WordLM, sample_completions, target_and_draft
 
@@ -241,7 +241,7 @@ def test_products_split_into_factors_each_lowered():
     from genlm.control import JsonSchema as GenlmJsonSchema
     from genlm.control import Potential
 
-    from smc_sd.program.constraints import ConjunctionConstraint
+    from smc_sd.constraints.token_constraints import ConjunctionConstraint
 
     lm = WordLM(LARK_WORDS)
     # genlm-control's JsonSchema is itself a product: it is read back whole

@@ -7,11 +7,11 @@ import random
 import pytest
 import torch
 
-import smc_sd.program.llguidance_masks as llguidance_masks
-import smc_sd.program.matcher_pool as matcher_pool
+import smc_sd.constraints.llguidance_masks as llguidance_masks
+import smc_sd.constraints.matcher_pool as matcher_pool
 from smc_sd.compiler.masks import Masker
-from smc_sd.program.grammars import Regex
-from smc_sd.program.potentials import as_token_constraint
+from smc_sd.constraints.grammars import Regex
+from smc_sd.constraints.potentials import as_token_constraint
 from tests.test_llguidance import REGEX, REGEX_WORDS, WordLM, brute_force_masks, regex_oracle
 
 

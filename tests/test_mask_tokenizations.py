@@ -16,10 +16,10 @@ import pytest
 import regex
 import torch
 
-from smc_sd.program.grammars import Grammar, JsonSchema, Regex
-from smc_sd.program.languages import byte_tokenizer
-from smc_sd.program.llguidance_masks import GrammarConstraint
-from smc_sd.program.potentials import as_token_constraint
+from smc_sd.constraints.grammars import Grammar, JsonSchema, Regex
+from smc_sd.constraints.languages import byte_tokenizer
+from smc_sd.constraints.llguidance_masks import GrammarConstraint
+from smc_sd.constraints.potentials import as_token_constraint
 from tests.test_llguidance import WordLM, brute_force_masks, cfg_oracle, regex_oracle
 
 
@@ -119,7 +119,7 @@ def test_masks_equal_brute_force_for_every_tokenization(case, seed):
 def byte_brute_force_mask(lm, prefix: list[int], viable, complete) -> list[bool]:
     """mask[v] = viable(bytes(prefix) + bytes(v)), mask[EOS] = complete(bytes(prefix)); special
     tokens and padding rows (no bytes) are never allowed."""
-    from smc_sd.program.byte_vocabulary import token_bytes
+    from smc_sd.constraints.byte_vocabulary import token_bytes
 
     vocabulary = token_bytes(lm)
     context = b"".join(vocabulary[t] for t in prefix)

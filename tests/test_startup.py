@@ -80,7 +80,7 @@ print(json.dumps({d: sorted(getattr(jsonschema, d).FORMAT_CHECKER.checkers) for 
 """
     plain = subprocess.run([sys.executable, "-c", checks], capture_output=True, text=True, cwd=ROOT, check=True)
     deferred = subprocess.run(
-        [sys.executable, "-c", "import sys\nfrom smc_sd.program.json_validation import jsonschema_module\njsonschema_module()\n"
+        [sys.executable, "-c", "import sys\nfrom smc_sd.constraints.json_validation import jsonschema_module\njsonschema_module()\n"
          "assert 'rfc3987_syntax' not in sys.modules\n" + checks],
         capture_output=True, text=True, cwd=ROOT, check=True,
     )
@@ -92,7 +92,7 @@ print(json.dumps({d: sorted(getattr(jsonschema, d).FORMAT_CHECKER.checkers) for 
 def test_an_iri_check_loads_the_parsers_and_refuses_a_bad_iri():
     code = """
 import sys
-from smc_sd.program.json_validation import schema_validator
+from smc_sd.constraints.json_validation import schema_validator
 validator = schema_validator({"type": "string", "format": "iri"})
 assert "rfc3987_syntax" not in sys.modules
 assert validator.is_valid("https://example.org/caf\u00e9")

@@ -27,7 +27,7 @@ import hashlib
 import inspect
 import json
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
@@ -45,6 +45,7 @@ from smc_sd.backends.paged_hf import DEFAULT_BLOCK_SIZE, PagedHFSequences, Paged
 from smc_sd.backends.pass_cost import PassCost, pass_cost_for
 from smc_sd.backends.precision import as_dtype
 from smc_sd.backends.static_hf import StaticHFSequences, StaticRuntime
+from smc_sd.models.chat import chat_prompt  # noqa: F401  (re-exported: prompts are built from here)
 
 KV_CACHES = ("paged", "copy", "static")
 
@@ -353,15 +354,3 @@ def vocabulary_fingerprint(tokenizer) -> str:
     return hashlib.sha256(json.dumps(pairs).encode()).hexdigest()
 
 
-def chat_prompt(tokenizer, text: str) -> list[int]:
-    """Token ids of one user message in the tokenizer's chat template, ready for the reply.
-
-    transformers 5 returns a BatchEncoding from `apply_chat_template(tokenize=True)`; older
-    versions return the ids themselves. Both become a plain list of ints.
-    """
-    encoded = tokenizer.apply_chat_template(
-        [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True
-    )
-    if isinstance(encoded, Mapping):
-        encoded = encoded["input_ids"]
-    return [int(token) for token in encoded]

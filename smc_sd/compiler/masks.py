@@ -15,7 +15,7 @@ import time
 
 import torch
 
-from smc_sd.program.constraints import ConjunctionConstraint, TokenConstraint, stack_rows
+from smc_sd.constraints.token_constraints import ConjunctionConstraint, TokenConstraint, stack_rows
 
 
 class Masker:

@@ -14,18 +14,17 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
-import torch
-
 from smc_sd.backends.base import ContextOverflowError, LanguageModel, check_same_vocabulary
 from smc_sd.compiler.masks import Masker
-from smc_sd.program.scores import BlockPotential, ProductPotential, as_block_potential
-from smc_sd.engine.resampling import check_resampler
-from smc_sd.engine.result import CycleStats, Result
+from smc_sd.constraints.scores import BlockPotential, ProductPotential, as_block_potential
 
 
 if TYPE_CHECKING:
-    # the program layer imports the compiler when it runs: only the annotation points back
+    # the program runs through smc_sd.api, which compiles: only the annotation points back
     from smc_sd.program.spec import FreeDraft
+
+#: the resampling schemes a plan may name (`smc_sd.engine.resampling.RESAMPLERS` runs them)
+RESAMPLING_SCHEMES = ("systematic", "multinomial", "stratified", "residual")
 
 
 @dataclass(frozen=True)
@@ -73,26 +72,6 @@ class StepPlan:
         """K + 1: positions every particle advances per target pass (importance plans)."""
         return self.draft_len + 1
 
-    def execute(
-        self,
-        prompt: list[int],
-        seed: int = 0,
-        on_cycle: Callable[[CycleStats, list[list[int]]], None] | None = None,
-    ) -> Result:
-        """Run the plan on one prompt with a generator seeded by `seed`."""
-        from smc_sd.engine.smc import run_smc
-        from smc_sd.engine.smc_free import run_smc_free
-        from smc_sd.engine.speculative import run_speculative
-
-        if len(prompt) == 0:
-            raise ValueError("the prompt is empty; give at least one token")
-        generator = torch.Generator().manual_seed(seed)
-        if self.verification == "importance":
-            loop = run_smc if self.free is None else run_smc_free
-        else:
-            loop = run_speculative
-        return loop(self, list(prompt), generator, on_cycle)
-
 
 def _require(condition: bool, message: str) -> None:
     if not condition:
@@ -120,7 +99,10 @@ def check_settings(program, schedule) -> None:
         "sampled drafts almost never hit, so every particle would die); use ar or sd for greedy decoding",
     )
     _require(0 < target.alpha < math.inf, f"alpha must be > 0 and finite, got {target.alpha}")
-    check_resampler(schedule.resampling)
+    _require(
+        schedule.resampling in RESAMPLING_SCHEMES,
+        f"unknown resampling scheme {schedule.resampling!r}; choose one of {sorted(RESAMPLING_SCHEMES)}",
+    )
     if proposal is not None:
         free = proposal.free
         if free is not None:
@@ -132,10 +114,6 @@ def check_settings(program, schedule) -> None:
                     proposal.lm is None,
                     "smc-sd with a free draft extends particles by exact speculative sampling of the "
                     "locally masked target, with the free draft alone: use --draft free",
-                )
-                _require(
-                    not target.potentials and program.twist is None,
-                    "smc-sd with a free draft takes no block-end potentials or twist yet",
                 )
         _require(proposal.draft_len >= 1, f"draft length K must be >= 1, got {proposal.draft_len}")
         _require(0 <= proposal.temperature < math.inf, f"draft temperature must be >= 0 and finite, got {proposal.temperature}")
@@ -173,7 +151,7 @@ def compile_program(program, schedule, prompt_length: int) -> StepPlan:
         TokenizerMismatchError: when draft and target do not share a tokenizer.
         ContextOverflowError: when prompt + generation cannot fit the models' context windows.
     """
-    from smc_sd.program.potentials import as_token_constraint, completion_checks
+    from smc_sd.constraints.potentials import as_token_constraint, completion_checks
 
     target, proposal = program.target, program.proposal
     _require(prompt_length >= 1, "the prompt is empty; give at least one token")

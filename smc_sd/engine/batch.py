@@ -50,11 +50,11 @@ from smc_sd.backends.base import LanguageModel, check_same_vocabulary
 from smc_sd.engine.free_groups import FreeImportanceGroup
 from smc_sd.engine.groups import Group, ImportanceGroup, SpeculativeGroup
 from smc_sd.engine.requests import Event, Handle, QueueFullError, Request
-from smc_sd.engine.result import Result, kv_memory
+from smc_sd.engine.result import CycleStats, Result, kv_memory
 from smc_sd.engine.rows import RowSet, join_groups, reseat_groups
 from smc_sd.engine.slots import SlotTable
 
-__all__ = ["BatchEngine", "Event", "Handle", "QueueFullError", "Request", "RowsOfOneLengthError", "run_many"]
+__all__ = ["BatchEngine", "Event", "Handle", "QueueFullError", "Request", "RowsOfOneLengthError"]
 
 #: slots per running request when the engine is not told how many to keep
 SLOTS_PER_REQUEST = 16
@@ -74,13 +74,14 @@ ONE_LENGTH_REFUSAL = (
 
 @dataclass
 class _Entry:
-    """A request in the engine: what was submitted, its compiled plan, its listener and, while it
+    """A request in the engine: what was submitted, its compiled plan, its listeners and, while it
     runs, its group; `agreed` counts the tokens its last "tokens" event reported."""
 
     request: Request
     plan: object
     handle: Handle
     on_event: Callable[[Event], None] | None
+    on_cycle: Callable[[CycleStats, list[list[int]]], None] | None = None
     group: Group | None = None
     agreed: int = 0
 
@@ -136,8 +137,14 @@ class BatchEngine:
         """
         self._compile(request)
 
-    def submit(self, request: Request, on_event: Callable[[Event], None] | None = None) -> Handle:
+    def submit(self, request: Request, on_event: Callable[[Event], None] | None = None, on_cycle: Callable[[CycleStats, list[list[int]]], None] | None = None) -> Handle:
         """Queue a request (thread-safe).
+
+        Args:
+            on_event: receives the request's Events (`smc_sd.engine.requests`); what it raises
+                cancels the request.
+            on_cycle: called after each of the request's cycles with its CycleStats and every
+                particle's generated tokens; what it raises fails the request.
 
         Raises:
             QueueFullError: when `max_waiting` requests wait.
@@ -145,7 +152,7 @@ class BatchEngine:
             and `check`'s errors.
         """
         plan = self._compile(request)
-        entry = _Entry(request, plan, Handle(), on_event)
+        entry = _Entry(request, plan, Handle(), on_event, on_cycle)
         with self._lock:
             if self.dead is not None:
                 raise RuntimeError(f"the engine has stopped after an error: {self.dead}")
@@ -355,6 +362,8 @@ class BatchEngine:
         for i, (e, g, rows) in enumerate(zip(entries, groups, target_rows)):
             if healthy[i]:
                 healthy[i] = self._attempt(e, g.verify, logits[rows, : widths[i]])
+            if healthy[i] and e.on_cycle is not None:
+                healthy[i] = self._attempt(e, e.on_cycle, g.cycles[-1], g.particle_tokens())
         for e, ok in zip(entries, healthy):
             if ok:
                 self._finish_or_report(e)
@@ -490,20 +499,3 @@ def group_kind(plan) -> type[Group]:
         return SpeculativeGroup
     return ImportanceGroup if plan.free is None else FreeImportanceGroup
 
-
-def run_many(program, prompts: list[list[int]], schedule, seeds: list[int] | None = None, max_running: int = 32) -> list[Result]:
-    """Run a program on many prompts in one batch: result i is what `program.run(prompts[i],
-    schedule, seed=seeds[i])` returns (seeds default to 0, Program.run's default).
-
-    Raises:
-        the first failure among the requests, after all of them have ended.
-    """
-    seeds = [0] * len(prompts) if seeds is None else list(seeds)
-    if len(seeds) != len(prompts):
-        raise ValueError(f"{len(seeds)} seeds for {len(prompts)} prompts")
-    draft = program.proposal.lm if program.proposal is not None else None
-    engine = BatchEngine(program.target.lm, draft, max_running=max_running, max_waiting=len(prompts), max_slots=max_running * schedule.particles)
-    handles = [engine.submit(Request(list(p), program, schedule, s)) for p, s in zip(prompts, seeds)]
-    while engine.step():
-        pass
-    return [handle.result() for handle in handles]

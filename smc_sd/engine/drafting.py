@@ -16,7 +16,7 @@ import torch
 from smc_sd.backends.base import Sequences
 from smc_sd.engine.masking import masked_logprobs
 from smc_sd.engine.sampling import sample_tokens, tempered_logprobs
-from smc_sd.program.constraints import UnsatisfiableConstraintError
+from smc_sd.constraints.token_constraints import UnsatisfiableConstraintError
 
 
 @dataclass

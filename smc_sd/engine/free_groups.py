@@ -2,10 +2,10 @@
 
 Every particle is extended by exact speculative sampling of the locally masked target q_loc,
 its free draft the point-mass draft, and weighted by the local normalisers Z of the positions
-it kept; ESS, resampling and log Z_hat are SMC's. The group runs the pure steps
-`run_smc_free` runs (`propose_distinct`, `extend_running`, `resample_on_ess`, `conclude`), on
-its own particles, from its own generator, in the same order, so its result for a seed is the
-one `Program.run` returns.
+it kept; block-end potentials and a twist rescore the extended prefixes, and ESS, resampling,
+log Z_hat and the end of the run are SMC-SD's (`ImportanceGroup`). The group runs on its own
+particles, from its own generator, so its result for a seed does not depend on what runs
+beside it.
 
 Particles end a cycle at different lengths: the slot table keeps each one's (`SlotTable.length`)
 and a row holds its prompt and its generated tokens but the last. Particles holding equal tokens
@@ -17,20 +17,19 @@ Dimension letters: N particles, U distinct running ones, V vocabulary.
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from smc_sd.engine.free_drafts import FreeDrafter
-from smc_sd.engine.groups import Group, first_stop
-from smc_sd.engine.resampling import resample_on_ess
-from smc_sd.engine.result import AllParticlesDiedError, CycleStats, Result
+from smc_sd.engine.groups import ImportanceGroup, first_stop
 from smc_sd.engine.slots import SlotTable
-from smc_sd.engine.smc_free import conclude, cycle_stats, distinct_rows, extend_running, first_tokens, propose_distinct, running_particles
+from smc_sd.engine.smc import rescore_block_end
+from smc_sd.engine.smc_free import distinct_rows, extend_running, propose_distinct, running_particles
 
 
-class FreeImportanceGroup(Group):
-    """A request of an importance-verified plan whose proposal is a free draft.
+class FreeImportanceGroup(ImportanceGroup):
+    """A request of an importance-verified plan whose proposal is a free draft: the first
+    token, the block-end potentials and twist, ESS, resampling and the end of the run are
+    `ImportanceGroup`'s; the extension and its weights are `smc_sd.engine.smc_free`'s.
 
     Args:
         request, plan, table: as `Group`'s.
@@ -74,20 +73,9 @@ class FreeImportanceGroup(Group):
     # --- one cycle -----------------------------------------------------------------------------
 
     def begin(self, first_logits: torch.Tensor, target_base: int, draft_base: int) -> None:
-        """Every particle draws its own first token (`smc_free.first_tokens`); its rows are the
-        `target_base` .. + N - 1 rows just joined.
-
-        Raises:
-            AllParticlesDiedError: when no first token has nonzero probability.
-        """
-        tokens, logw = first_tokens(self.plan, first_logits, self.generator)
-        stops = [first_stop(self.plan.target.decode, [], row, self.request.stop) is not None for row in tokens]
-        self._store(tokens, logw, stops)
-        self.table.target_row[self.slots] = target_base + torch.arange(self.plan.particles)
+        """`ImportanceGroup.begin`; particles of weight zero hold no rows."""
+        super().begin(first_logits, target_base, draft_base)
         self._drop_ended_rows()
-        self.tokens_out += self.plan.particles
-        if not torch.isfinite(logw).any():
-            raise AllParticlesDiedError("no first token has nonzero probability under the target (and its constraints, if any)", self._final(logw, -math.inf, 0, True, None))
 
     def prepare(self) -> None:
         """The cycle's proposals, one per distinct running particle."""
@@ -103,7 +91,8 @@ class FreeImportanceGroup(Group):
         return torch.cat([feed, filler], 1)
 
     def verify(self, target_logits: torch.Tensor) -> None:
-        """Extension, weights, ESS and resampling of one cycle (`run_smc_free`'s loop body).
+        """Extension and its weights (`smc_free.extend_running`), block-end potentials and
+        twist on the extended particles, then ESS and resampling (`resample_on_ess`).
 
         Args:
             target_logits: [U, width, V] float32, the target's logits over the distinct rows.
@@ -111,44 +100,25 @@ class FreeImportanceGroup(Group):
         Raises:
             AllParticlesDiedError: when every weight reaches zero.
         """
-        plan, cycle, n = self.plan, self.cycle, self.plan.particles
-        tokens, logw = self.tokens(), self.table.logw[self.slots].clone()
-        stopped = self.table.stopped[self.slots].tolist()
+        plan, cycle, table, slots = self.plan, self.cycle, self.table, self.slots
+        tokens, logw = self.tokens(), table.logw[slots].clone()
+        stopped = table.stopped[slots].tolist()
         stop_at = self._stop_at if self.request.stop else None
         accepted, added, stops = extend_running(plan, self.free_drafter, cycle, target_logits, tokens, logw, self.generator, stop_at)
         for i, stop in zip(cycle.running, stops):
             stopped[i] = stop
         self._store(tokens, logw, stopped)
-        self._drop_ended_rows()
+        fresh = torch.zeros(plan.particles, dtype=torch.bool)
+        fresh[cycle.running] = True
+        scored = rescore_block_end(plan, table.particles(slots, self.generated), fresh)
+        table.logw[slots], table.log_twist[slots], table.log_phi[slots] = scored.logw, scored.log_twist, scored.log_phi
         self.tokens_out += sum(added)
         self.accepted += sum(accepted)
         self.drafted += cycle.proposed
-        ess, ancestors, log_z_step = resample_on_ess(logw, plan.ess_threshold, self.generator, plan.resampling)
-        if ess == 0.0:
-            self.cycles.append(CycleStats(ess, False, -math.inf, max(added), n, rows=len(cycle.running)))
-            raise AllParticlesDiedError("every particle reached weight zero", self._final(logw, -math.inf, 0, True, None))
-        if ancestors is not None:
-            self.log_z += log_z_step
-            self.table.copy(self.slots, self.slots[ancestors])
-            self._drop_ended_rows()
-        self.cycles.append(cycle_stats(cycle, ess, ancestors is not None, self.log_z, added, accepted, n))
-
-    def result(self, kv: dict | None) -> Result:
-        """The request's Result (`smc_free.conclude`).
-
-        Raises:
-            AllParticlesDiedError: when every final weight is zero.
-        """
-
-        def final(log_weights, log_ml, chosen, complete=True):
-            return self._final(log_weights, log_ml, chosen, complete, kv)
-
-        return conclude(self.plan, self.tokens(), self.table.logw[self.slots].clone(), self.log_z, self.generator, final)
+        self.resample_on_ess(tokens=max(added), rows=len(cycle.distinct), accepted=sum(accepted), proposed=cycle.proposed)
+        self._drop_ended_rows()
 
     # --- helpers -------------------------------------------------------------------------------
-
-    def _final(self, log_weights, log_ml, chosen, complete, kv) -> Result:
-        return self._result(self.particle_tokens(), self.table.finished[self.slots].tolist(), log_weights, log_ml, chosen, complete, kv)
 
     def _store(self, tokens: list[list[int]], logw: torch.Tensor, stopped: list[bool]) -> None:
         """Scatter every particle's tokens, length, weight and end into the slot table."""
@@ -172,4 +142,3 @@ class FreeImportanceGroup(Group):
     def _stop_at(self, prefix: list[int], new: list[int]) -> int | None:
         """The index of the new token completing a stop string (its EOS aside), or None."""
         return first_stop(self.plan.target.decode, prefix, [t for t in new if t != self.eos], self.request.stop)
-

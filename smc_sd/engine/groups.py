@@ -184,7 +184,7 @@ class Group:
 
 class ImportanceGroup(Group):
     """A request of an importance-verified plan (SMC-SD; K = 0: the target proposes), as
-    `smc_sd.engine.smc.run_smc` runs it."""
+    the SMC-SD cycle of `smc_sd.engine.smc` runs it."""
 
     def begin(self, first_logits: torch.Tensor, target_base: int, draft_base: int) -> None:
         """Draw every particle's first token from the prompt's logits [V]; its rows are the
@@ -225,7 +225,7 @@ class ImportanceGroup(Group):
         self.drafter = BlockDrafter(active.numel(), self.plan.draft_temperature, self.generator, self.mask_at)
 
     def verify(self, target_logits: torch.Tensor) -> None:
-        """Weights, block-end scores, ESS and resampling of one cycle (`run_smc`'s loop body).
+        """Weights, block-end scores, ESS and resampling of one cycle (`smc_sd.engine.smc`).
 
         Args:
             target_logits: [A, K + 1, V] float32, the target's logits over this group's rows.
@@ -234,35 +234,44 @@ class ImportanceGroup(Group):
             AllParticlesDiedError: when every weight reaches zero.
         """
         plan, table, slots = self.plan, self.table, self.slots
-        n, k = plan.particles, plan.draft_len
         state = table.particles(slots, self.generated)
-        tokens_this_cycle = min(k + 1, plan.max_tokens - self.generated)
+        tokens_this_cycle = min(plan.draft_len + 1, plan.max_tokens - self.generated)
         rows = int((~state.finished).sum())
         block, increments = verify_block(plan, target_logits, self.drafter.block(target_logits.shape[-1]), self.mask_at, self.generator)
         stops = self._stop_columns(state, block) if self.request.stop else None
         advanced = advance(plan, state, block, increments, stops)
-        stopped = table.stopped[slots].clone()
         if stops is not None:
-            stopped[~state.finished] = stops.any(1)
-        # [N]: the rows particles hold until resampling moves them; finished ones drop theirs
-        target_rows = table.target_row[slots].masked_fill(advanced.finished, -1)
-        draft_rows = table.draft_row[slots].masked_fill(advanced.finished, -1)
+            table.stopped[slots[~state.finished]] = stops.any(1)
+        table.store(slots, advanced)
+        self.generated = advanced.tokens.shape[1]
+        # particles that finished drop their rows
+        table.target_row[slots[advanced.finished]] = -1
+        table.draft_row[slots[advanced.finished]] = -1
         self.tokens_out += rows * tokens_this_cycle
-        self.draft_passes += k
-        ess, ancestors, log_z_step = resample_on_ess(advanced.logw, plan.ess_threshold, self.generator, plan.resampling)
+        self.draft_passes += plan.draft_len
+        self.resample_on_ess(tokens=tokens_this_cycle, rows=rows)
+
+    def resample_on_ess(self, **stats) -> None:
+        """The end of every SMC cycle: the ESS of the stored weights, resampling when it falls
+        below tau N (slot i takes its ancestor's state, log w = 0, log Z_hat += logsumexp(log w)
+        - log N), and the cycle's CycleStats (`stats`: its other fields).
+
+        Raises:
+            AllParticlesDiedError: when every weight is zero.
+        """
+        plan, n = self.plan, self.plan.particles
+        logw = self.table.logw[self.slots].clone()
+        ess, ancestors, log_z_step = resample_on_ess(logw, plan.ess_threshold, self.generator, plan.resampling)
         if ess == 0.0:
-            self.cycles.append(CycleStats(ess, False, -math.inf, tokens_this_cycle, n, rows=rows))
-            self._store(advanced, stopped, target_rows, draft_rows)
-            raise AllParticlesDiedError("every particle reached weight zero", self.result_with(advanced.logw, -math.inf, 0, True, None))
+            self.cycles.append(CycleStats(ess, False, -math.inf, particles=n, **stats))
+            raise AllParticlesDiedError("every particle reached weight zero", self.result_with(logw, -math.inf, 0, True, None))
         if ancestors is not None:
             self.log_z += log_z_step
-            advanced = advanced.take(ancestors)
-            stopped, target_rows, draft_rows = stopped[ancestors], target_rows[ancestors], draft_rows[ancestors]
-        self.cycles.append(CycleStats(ess, ancestors is not None, self.log_z, tokens_this_cycle, n, rows=rows))
-        self._store(advanced, stopped, target_rows, draft_rows)
+            self.table.copy(self.slots, self.slots[ancestors])
+        self.cycles.append(CycleStats(ess, ancestors is not None, self.log_z, particles=n, **stats))
 
     def result(self, kv: dict | None) -> Result:
-        """The request's Result (`run_smc`'s ending).
+        """The request's Result (`smc_sd.engine.smc.conclude`).
 
         Raises:
             AllParticlesDiedError: when every final weight is zero.
@@ -276,14 +285,6 @@ class ImportanceGroup(Group):
     def result_with(self, log_weights, log_ml, chosen, complete, kv) -> Result:
         finished = self.table.finished[self.slots].tolist()
         return self._result(self.particle_tokens(), finished, log_weights, log_ml, chosen, complete, kv)
-
-    def _store(self, state, stopped, target_rows, draft_rows) -> None:
-        table, slots = self.table, self.slots
-        table.store(slots, state)
-        table.stopped[slots] = stopped
-        table.target_row[slots] = target_rows
-        table.draft_row[slots] = draft_rows
-        self.generated = state.tokens.shape[1]
 
     def _stop_columns(self, state, block: torch.Tensor) -> torch.Tensor:
         """[A, K + 1] bool: for each unfinished particle, the column of its block that completes
@@ -303,7 +304,7 @@ class ImportanceGroup(Group):
 
 class SpeculativeGroup(Group):
     """A request of an accept/reject plan (exact speculative decoding, mask-at-verify): one
-    sequence, as `smc_sd.engine.speculative.run_speculative` runs it. With a free draft, a cycle
+    sequence (`smc_sd.engine.speculative`). With a free draft, a cycle
     whose free draft proposes verifies that proposal (a point mass); any other cycle drafts K
     tokens from the draft LM, or with no draft LM verifies nothing (one target token)."""
 
@@ -383,7 +384,7 @@ class SpeculativeGroup(Group):
         return torch.cat([self.table.tokens[self.slots[:1], self.generated - 1 : self.generated], block, filler], 1)
 
     def verify(self, target_logits: torch.Tensor) -> None:
-        """The accept/reject step of one cycle (`run_speculative`'s loop body).
+        """The accept/reject step of one cycle (`smc_sd.engine.speculative.verify_drafts`).
 
         Args:
             target_logits: [1, m + 1, V] float32, the target's logits over this sequence's row

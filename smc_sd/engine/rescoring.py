@@ -47,7 +47,7 @@ def rescore(
 
 
 def retwist(
-    twist, tokens: torch.Tensor, finished: torch.Tensor, logw: torch.Tensor, log_twist: torch.Tensor
+    twist, tokens: torch.Tensor, finished: torch.Tensor, logw: torch.Tensor, log_twist: torch.Tensor, eos: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Swap each particle's old twist for the twist of its new prefix.
 
@@ -55,10 +55,11 @@ def retwist(
 
     Args:
         twist: log psi of a batch of prefixes (lists of token ids) -> [B] float.
-        tokens: [N, S] int64 generated tokens.
+        tokens: [N, S] int64 generated tokens (EOS filler after a particle's end).
         finished: [N] bool.
         logw: [N] float64 log weights including log_twist.
         log_twist: [N] float64 the twist inside logw.
+        eos: the EOS id.
 
     Returns:
         (logw, log_twist) updated.
@@ -66,7 +67,9 @@ def retwist(
     rows = (torch.isfinite(logw) & ~finished).nonzero().flatten()
     new_twist = torch.zeros_like(log_twist)
     if rows.numel() > 0:
-        new_twist[rows] = torch.as_tensor(twist(tokens[rows].tolist()), dtype=torch.float64)
+        # each unfinished row without the EOS filler that follows a shorter particle's tokens
+        prefixes = [row[: row.index(eos)] if eos in row else row for row in tokens[rows].tolist()]
+        new_twist[rows] = torch.as_tensor(twist(prefixes), dtype=torch.float64)
     return _swap(logw, log_twist, new_twist)
 
 

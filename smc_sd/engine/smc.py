@@ -26,16 +26,13 @@ vocabulary, S tokens generated so far.
 from __future__ import annotations
 
 import math
-import time
 from dataclasses import dataclass, replace
 
 import torch
 
-from smc_sd.backends.base import Sequences
-from smc_sd.engine.drafting import DraftBlock, block_masks, draft_block, first_token_mask, trim_at_eos
-from smc_sd.engine.resampling import effective_sample_size, log_mean_weight, normalised_weights, resample
+from smc_sd.engine.drafting import DraftBlock, block_masks
+from smc_sd.engine.resampling import log_mean_weight, normalised_weights
 from smc_sd.engine.rescoring import rescore, retwist
-from smc_sd.engine.result import AllParticlesDiedError, CycleStats, Result, kv_memory, mask_stats
 from smc_sd.engine.sampling import gather_last, sample_tokens, tempered_logprobs
 
 
@@ -74,46 +71,42 @@ class Particles:
         )
 
 
-def first_particles(plan, first_logits: torch.Tensor, first_mask: torch.Tensor | None, generator) -> Particles:
-    """Every particle draws its own first token from p_T(.)^alpha · m / Z_0, log w = log Z_0.
+def first_draws(plan, first_logits: torch.Tensor, first_mask: torch.Tensor | None, generator, n: int) -> tuple[torch.Tensor, float]:
+    """n independent first tokens from p_T(.)^alpha · m / Z_0, and log Z_0 = log sum_v p_T(v)^alpha m(v).
+
+    Every method draws its first token here: SMC's particles each get log w = log Z_0; exact
+    speculative decoding (alpha = 1) draws one from p~ = p_T m / Z_0. Where m leaves no mass
+    (log Z_0 = -inf) the tokens are drawn unmasked, to keep shapes; their weight is zero.
 
     Args:
         first_logits: [V] float32 target logits after the prompt.
         first_mask: [V] bool constraint mask of the first token, or None.
+
+    Returns:
+        ([n] int64 tokens, log Z_0).
     """
-    n, eos = plan.particles, plan.target.vocabulary.eos_token_id
     # [V]: alpha log p_T of the first token, masked by the constraints
     scores = plan.alpha * tempered_logprobs(first_logits, plan.target_temperature, first_mask)
-    # where the mask leaves no mass every weight is zero (the caller stops); draw unmasked
-    first = sample_tokens((scores if torch.isfinite(scores).any() else first_logits).expand(n, -1), generator)
+    log_z0 = float(torch.logsumexp(scores, 0))
+    first = sample_tokens((scores if math.isfinite(log_z0) else first_logits.float()).expand(n, -1), generator)
+    return first, log_z0
+
+
+def first_particles(plan, first_logits: torch.Tensor, first_mask: torch.Tensor | None, generator) -> Particles:
+    """Every particle draws its own first token (`first_draws`), log w = log Z_0, and the
+    block-end potentials and twist score the one-token prefixes."""
+    n, eos = plan.particles, plan.target.vocabulary.eos_token_id
+    first, log_z0 = first_draws(plan, first_logits, first_mask, generator, n)
     state = Particles(
         tokens=first[:, None],
         finished=first == eos,
-        logw=torch.full((n,), float(torch.logsumexp(scores, 0)), dtype=torch.float64),
+        logw=torch.full((n,), log_z0, dtype=torch.float64),
         log_twist=torch.zeros(n, dtype=torch.float64),
         log_phi=torch.zeros(n, dtype=torch.float64),
         target_unseen=first[:, None],
         draft_unseen=first[:, None] if plan.draft is not None else None,
     )
     return rescore_block_end(plan, state, torch.ones(n, dtype=torch.bool))
-
-
-def propose_and_verify(plan, state: Particles, target_rows: Sequences, draft_rows, generator) -> tuple[torch.Tensor, torch.Tensor]:
-    """Draft K tokens for every unfinished particle, score them in ONE target pass, draw the bonus.
-
-    Returns:
-        block: [A, K + 1] int64 drafted tokens then the bonus token, for the unfinished particles
-            in particle order; increments: [A, K + 1] float64 their log-weight increments
-            (`verify_block`).
-    """
-    active = (~state.finished).nonzero().flatten()
-    mask_at = cycle_masks(plan, state, active)
-    if plan.draft_len > 0:
-        draft = draft_block(draft_rows, state.draft_unseen[active], plan.draft_len, plan.draft_temperature, generator, mask_at)
-    else:
-        draft = DraftBlock(torch.empty(active.numel(), 0, dtype=torch.long), torch.empty(active.numel(), 0, plan.target.vocabulary.size))
-    target_logits = target_rows.extend(torch.cat([state.target_unseen[active], draft.tokens], 1))
-    return verify_block(plan, target_logits, draft, mask_at, generator)
 
 
 def cycle_masks(plan, state: Particles, active: torch.Tensor):
@@ -211,33 +204,8 @@ def rescore_block_end(plan, state: Particles, fresh: torch.Tensor) -> Particles:
     if plan.potential is not None:
         logw, log_phi = rescore(plan.potential, state.tokens, state.finished, fresh, logw, log_phi, eos)
     if plan.twist is not None:
-        logw, log_twist = retwist(plan.twist, state.tokens, state.finished, logw, log_twist)
+        logw, log_twist = retwist(plan.twist, state.tokens, state.finished, logw, log_twist, eos)
     return replace(state, logw=logw, log_phi=log_phi, log_twist=log_twist)
-
-
-def reseat_rows(rows: Sequences | None, sources: torch.Tensor) -> None:
-    """Make the rows hold the current rows `sources` ([A'] int64), in that order.
-
-    Nothing happens when `sources` is the identity, and nothing when it is empty (every particle
-    has finished: the run is over and the rows are only closed).
-    """
-    if rows is None or sources.numel() == 0:
-        return
-    if sources.numel() == rows.batch_size and bool((sources == torch.arange(rows.batch_size)).all()):
-        return
-    rows.select(sources)
-
-
-def resample_particles(plan, state: Particles, generator, target_rows: Sequences, draft_rows) -> Particles:
-    """Draw N ancestors ∝ w, copy them (log w = 0), and move the rows with the unfinished ones."""
-    ancestors = resample(state.logw, generator, plan.resampling)
-    # [N]: each particle's row in the backends (meaningful for unfinished ones)
-    row_of = torch.cumsum((~state.finished).long(), 0) - 1
-    resampled = state.take(ancestors)
-    sources = row_of[ancestors][~resampled.finished]
-    reseat_rows(target_rows, sources)
-    reseat_rows(draft_rows, sources)
-    return resampled
 
 
 def block_mask(block: torch.Tensor, finished: torch.Tensor, eos: int, budget: int) -> torch.Tensor:
@@ -309,86 +277,3 @@ def conclude(plan, state: Particles, log_z: float, generator):
         return logw, -math.inf, chosen, False
     chosen = int(torch.multinomial(normalised_weights(final_logw), 1, generator=generator))
     return final_logw, log_z + log_mean_weight(final_logw), chosen, True
-
-
-def run_smc(plan, prompt: list[int], generator: torch.Generator, on_cycle=None) -> Result:
-    """Run an importance-verified StepPlan (SMC-SD; K = 0 is SMC with the target as proposal).
-
-    Each cycle: `propose_and_verify` (draft, one target pass, bonus token), `advance` (weights,
-    block-end potentials and twist), retire the particles that finished, then resample when
-    ESS < tau N. Block-end potentials phi add log phi(new prefix) - log phi(old prefix) at the
-    first token and at every block end (complete scores for finished particles) and stay in the
-    final weights. With a twist, log w += log psi(new prefix) - log psi(old prefix) at every
-    block end; the last twist is removed from the final weights.
-
-    The token budget is part of the target (`complete_at_budget`): a particle whose string is not
-    complete at the end gets weight zero; when no particle is complete an incomplete one is
-    returned with `complete` False and log Z_hat = -inf.
-
-    Returns:
-        The Result; raises AllParticlesDiedError (carrying the partial Result) if every weight
-        reaches zero, and UnsatisfiableConstraintError if the constraints admit no string.
-    """
-    start = time.perf_counter()
-    n, k, eos = plan.particles, plan.draft_len, plan.target.vocabulary.eos_token_id
-    first_mask = first_token_mask(plan.masker)
-    target_rows, first_logits = plan.target.open(prompt, n)
-    draft_rows = plan.draft.open(prompt, n)[0] if plan.draft is not None else None
-    try:
-        state = first_particles(plan, first_logits, first_mask, generator)
-        reseat_rows(target_rows, (~state.finished).nonzero().flatten())
-        reseat_rows(draft_rows, (~state.finished).nonzero().flatten())
-        log_z = 0.0
-        cycles: list[CycleStats] = []
-
-        def result(final_logw: torch.Tensor, final_log_z: float, chosen: int, complete: bool = True) -> Result:
-            return Result(
-                method=plan.name,
-                prompt=prompt,
-                particles=[trim_at_eos(row, eos) for row in state.tokens.tolist()],
-                finished=state.finished.tolist(),
-                log_weights=final_logw,
-                log_ml=final_log_z,
-                chosen=chosen,
-                cycles=cycles,
-                target_passes=len(cycles),
-                draft_passes=k * len(cycles),
-                seconds=time.perf_counter() - start,
-                decode=plan.target.decode,
-                kv=kv_memory(target_rows, draft_rows),
-                **mask_stats(plan.masker),
-                complete=complete,
-            )
-
-        if not torch.isfinite(state.logw).any():
-            raise AllParticlesDiedError("no first token has nonzero probability under the target (and its constraints, if any)", result(state.logw, -math.inf, 0))
-        while state.tokens.shape[1] < plan.max_tokens and not bool(state.finished.all()):
-            tokens_this_cycle = min(k + 1, plan.max_tokens - state.tokens.shape[1])
-            rows = int((~state.finished).sum())
-            block, increments = propose_and_verify(plan, state, target_rows, draft_rows, generator)
-            previous, state = state, advance(plan, state, block, increments)
-            # rows of particles that finished in this block leave the backends
-            still_running = (~state.finished)[~previous.finished].nonzero().flatten()
-            reseat_rows(target_rows, still_running)
-            reseat_rows(draft_rows, still_running)
-
-            ess = effective_sample_size(state.logw)
-            if ess == 0.0:
-                cycles.append(CycleStats(ess, False, -math.inf, tokens_this_cycle, n, rows=rows))
-                raise AllParticlesDiedError("every particle reached weight zero", result(state.logw, -math.inf, 0))
-            resampled = ess < plan.ess_threshold * n
-            if resampled:
-                log_z += log_mean_weight(state.logw)
-                state = resample_particles(plan, state, generator, target_rows, draft_rows)
-            cycles.append(CycleStats(ess, resampled, log_z, tokens_this_cycle, n, rows=rows))
-            if on_cycle is not None:
-                on_cycle(cycles[-1], state.tokens.tolist())
-
-        outcome = conclude(plan, state, log_z, generator)
-        if outcome is None:
-            raise AllParticlesDiedError("every particle reached weight zero", result(state.logw - state.log_twist, -math.inf, 0))
-        return result(*outcome)
-    finally:
-        target_rows.close()
-        if draft_rows is not None:
-            draft_rows.close()

@@ -16,44 +16,27 @@ prod_j q_loc(e_j | x, e_<j) exactly. Its importance weight is therefore
     log w += sum_j log Z(x, e_<j)            (one term per emitted position),
 
 the local normalisers (0 without constraints at alpha = 1: the particles are then independent
-exact samples of p_T). Weights, ESS, resampling and log Z_hat are SMC-SD's (`smc_sd.engine.smc`):
-log Z_hat += logsumexp(log w) - log N at each resampling and at the end.
+exact samples of p_T). The first token, block-end potentials and twist, ESS, resampling, log
+Z_hat and the end of the run are SMC-SD's (`smc_sd.engine.smc`; the batched engine's
+`FreeImportanceGroup` runs both): any extension kernel whose weight is the ratio of the target to
+its law leaves SMC's laws intact, so potentials and twists compose as with a draft LM.
 
 Particles differ in length within a cycle: one target pass extends every running row by the
-longest proposal plus one (the token the target has not read), and `truncate_rows` rolls each
-row back to what it kept. Rows hold the running particles (not finished, below the budget) in
-particle order. A particle reaching weight zero stops running.
+longest proposal plus one (the token the target has not read), and each row keeps what its
+particle accepted. A particle reaching weight zero stops running.
 """
 
 from __future__ import annotations
 
 import math
-import time
 from dataclasses import dataclass
 
 import torch
 
-from smc_sd.engine.drafting import first_token_mask, trim_at_eos
+from smc_sd.engine.drafting import trim_at_eos
 from smc_sd.engine.free_drafts import FreeDrafter, allowed_prefix, point_mass_rows
-from smc_sd.engine.resampling import log_mean_weight, normalised_weights, resample_on_ess
-from smc_sd.engine.result import AllParticlesDiedError, CycleStats, Result, kv_memory, mask_stats
-from smc_sd.engine.sampling import sample_tokens, tempered_logprobs
+from smc_sd.engine.sampling import tempered_logprobs
 from smc_sd.engine.speculative import accept_or_resample
-
-
-def first_tokens(plan, first_logits: torch.Tensor, generator) -> tuple[list[list[int]], torch.Tensor]:
-    """Every particle draws its own first token from p_T^alpha m / Z_0, with log w = log Z_0.
-
-    Returns:
-        (N one-token lists, [N] float64 log weights).
-    """
-    # [V]: alpha log p_T of the first token, masked
-    scores = plan.alpha * tempered_logprobs(first_logits, plan.target_temperature, first_token_mask(plan.masker))
-    log_z0 = float(torch.logsumexp(scores, 0))
-    if not math.isfinite(log_z0):
-        return [[0] for _ in range(plan.particles)], torch.full((plan.particles,), -math.inf, dtype=torch.float64)
-    first = sample_tokens(scores.expand(plan.particles, -1), generator)
-    return [[t] for t in first.tolist()], torch.full((plan.particles,), log_z0, dtype=torch.float64)
 
 
 def proposals(plan, drafter: FreeDrafter, tokens: list[list[int]], running: list[int]) -> tuple[list[list[int]], list, list[int]]:
@@ -214,107 +197,3 @@ def extend_running(plan, drafter: FreeDrafter, cycle: CycleProposals, logits: to
         stopped.append(column is not None)
         drafter.record(len(d), cycle.forced[u], accepted)
     return accepted_out, added, stopped
-
-
-def run_smc_free(plan, prompt: list[int], generator: torch.Generator, on_cycle=None) -> Result:
-    """Run an importance-verified StepPlan whose proposal is a free draft (module docstring).
-
-    Returns:
-        The Result; raises AllParticlesDiedError (carrying the partial Result) if every weight
-        reaches zero.
-    """
-    start = time.perf_counter()
-    n, eos = plan.particles, plan.target.vocabulary.eos_token_id
-    target_rows, first_logits = plan.target.open(prompt, n)
-    drafter = FreeDrafter.for_plan(plan, prompt)
-    try:
-        tokens, logw = first_tokens(plan, first_logits, generator)
-        log_z = 0.0
-        cycles: list[CycleStats] = []
-
-        def result(final_logw: torch.Tensor, final_log_z: float, chosen: int, complete: bool = True) -> Result:
-            return Result(
-                method=plan.name, prompt=prompt, particles=[trim_at_eos(row, eos) for row in tokens],
-                finished=[eos in row for row in tokens], log_weights=final_logw, log_ml=final_log_z, chosen=chosen, cycles=cycles,
-                target_passes=len(cycles), draft_passes=0, seconds=time.perf_counter() - start,
-                decode=plan.target.decode, kv=kv_memory(target_rows),
-                **mask_stats(plan.masker), complete=complete, free_draft=drafter.report(),
-            )
-
-        if not torch.isfinite(logw).any():
-            raise AllParticlesDiedError("no first token has nonzero probability under the target (and its constraints, if any)", result(logw, -math.inf, 0))
-        # rows: the running particles, in particle order
-        running = running_particles(plan, tokens, logw)
-        if len(running) < n and running:
-            target_rows.select(torch.tensor(running))
-        while running:
-            cycle = propose_distinct(plan, drafter, tokens, running)
-            if len(cycle.distinct) < len(running):
-                target_rows.select(torch.tensor(cycle.distinct))
-            lengths_before = target_rows.lengths
-            logits = target_rows.extend(cycle.feed(tokens, eos))
-            if len(cycle.distinct) < len(running):
-                target_rows.select(torch.tensor(cycle.copy_of))
-            accepted, added, _ = extend_running(plan, drafter, cycle, logits, tokens, logw, generator)
-            # the target keeps the unseen token and the accepted drafts
-            target_rows.truncate_rows(torch.tensor([int(lengths_before[u]) + 1 + a for u, a in zip(cycle.copy_of, accepted)]))
-            still = running_particles(plan, tokens, logw)
-            if still and still != running:
-                target_rows.select(torch.tensor([running.index(i) for i in still]))
-            ess, ancestors, log_z_step = resample_on_ess(logw, plan.ess_threshold, generator, plan.resampling)
-            if ess == 0.0:
-                cycles.append(CycleStats(ess, False, -math.inf, max(added), n, rows=len(running)))
-                raise AllParticlesDiedError("every particle reached weight zero", result(logw, -math.inf, 0))
-            if ancestors is not None:
-                log_z += log_z_step
-                row_of = {i: r for r, i in enumerate(still)}
-                tokens = [list(tokens[a]) for a in ancestors.tolist()]
-                logw = torch.zeros(n, dtype=torch.float64)
-                sources = [row_of[a] for a, row in zip(ancestors.tolist(), tokens) if eos not in row and len(row) < plan.max_tokens]
-                if sources:
-                    target_rows.select(torch.tensor(sources))
-                still = running_particles(plan, tokens, logw)
-            cycles.append(cycle_stats(cycle, ess, ancestors is not None, log_z, added, accepted, n))
-            running = still
-            if on_cycle is not None:
-                on_cycle(cycles[-1], [list(row) for row in tokens])
-        return conclude(plan, tokens, logw, log_z, generator, result)
-    finally:
-        target_rows.close()
-
-
-def cycle_stats(cycle: CycleProposals, ess: float, resampled: bool, log_z: float, added: list[int], accepted: list[int], n: int) -> CycleStats:
-    """A free-draft SMC cycle's diagnostics: rows computed are the distinct ones."""
-    return CycleStats(ess, resampled, log_z, max(added), n, accepted=sum(accepted), rows=len(cycle.distinct), proposed=cycle.proposed)
-
-
-def conclude(plan, tokens: list[list[int]], logw: torch.Tensor, log_z: float, generator, result) -> Result:
-    """The final weights under the budget (a string that is not complete gets weight zero), the
-    returned particle drawn ∝ them, and log Z_hat.
-
-    The block-end potentials (here only the exact checks of constraints the masks
-    over-approximate: `check_settings` refuses any other with a free draft) score each complete
-    string x at the end: log w += log phi(x). The particles targeted p(x) 1[x in L_mask] with
-    L_mask ⊇ L, so the reweighted ones target p(x) 1[x in L] and log Z_hat stays unbiased."""
-    eos = plan.target.vocabulary.eos_token_id
-    if not torch.isfinite(logw).any():
-        raise AllParticlesDiedError("every particle reached weight zero", result(logw, -math.inf, 0))
-    final = logw.clone()
-    if plan.masker is not None:
-        cut = [i for i, row in enumerate(tokens) if eos not in row and math.isfinite(logw[i])]
-        if cut:
-            complete = plan.masker.complete([tokens[i] for i in cut])
-            for i, ok in zip(cut, complete.tolist()):
-                if not ok:
-                    final[i] = -math.inf
-    if plan.potential is not None:
-        scored = [i for i in range(len(tokens)) if math.isfinite(final[i])]
-        if scored:
-            # each string without its EOS
-            strings = [tokens[i][: tokens[i].index(eos)] if eos in tokens[i] else tokens[i] for i in scored]
-            final[scored] += torch.as_tensor(plan.potential.log_score(strings, [True] * len(scored)), dtype=torch.float64)
-    if not torch.isfinite(final).any():
-        chosen = int(torch.multinomial(normalised_weights(logw), 1, generator=generator))
-        return result(logw, -math.inf, chosen, complete=False)
-    chosen = int(torch.multinomial(normalised_weights(final), 1, generator=generator))
-    return result(final, log_z + log_mean_weight(final), chosen)

@@ -14,14 +14,14 @@ conditional p_T(x | x satisfies the constraints).
 
 from __future__ import annotations
 
-import time
+import math
 
 import torch
 
 from smc_sd.engine.masking import masked_logprobs
-from smc_sd.engine.result import AllParticlesDiedError, CycleStats, Result, kv_memory, mask_stats
 from smc_sd.engine.sampling import gather_last, sample_tokens, tempered_logprobs
-from smc_sd.engine.drafting import DraftBlock, block_masks, draft_block, first_token_mask, trim_at_eos
+from smc_sd.engine.drafting import DraftBlock
+from smc_sd.engine.smc import first_draws
 from smc_sd.engine.free_drafts import FreeDrafter, allowed_prefix, point_mass_rows
 
 
@@ -79,11 +79,8 @@ def first_token(plan, first_logits: torch.Tensor, first_mask: torch.Tensor | Non
     Returns:
         The token id, or None when p~ has no mass.
     """
-    # [1, V]: p~ of the first token
-    first_logp = tempered_logprobs(first_logits[None], plan.target_temperature, None if first_mask is None else first_mask[None])
-    if not torch.isfinite(first_logp).any():
-        return None
-    return int(sample_tokens(first_logp, generator))
+    first, log_z0 = first_draws(plan, first_logits, first_mask, generator, 1)
+    return int(first[0]) if math.isfinite(log_z0) else None
 
 
 def verify_drafts(plan, draft: DraftBlock, target_logits: torch.Tensor, mask_at, generator: torch.Generator, budget: int) -> tuple[int, int, bool]:
@@ -155,93 +152,3 @@ def free_block(plan, drafter: FreeDrafter, tokens: list[int]):
 
     draft = DraftBlock(torch.tensor([proposal]), point_mass_rows(proposal, vocab)[None], masks[None, :m], torch.zeros(1, m, dtype=torch.bool))
     return draft, mask_at, min(forced, m)
-
-
-def run_speculative(plan, prompt: list[int], generator: torch.Generator, on_cycle=None) -> Result:
-    """Run an accept/reject StepPlan: one sequence, K drafted tokens per cycle.
-
-    With a free draft, a cycle whose free draft proposes verifies that proposal (q a point
-    mass, `smc_sd.engine.free_drafts`); any other cycle drafts K tokens from the draft LM, or,
-    with no draft LM, verifies nothing and emits one token from the target (an autoregressive
-    step). Either way the emitted law is the method's.
-    """
-    start = time.perf_counter()
-    k, eos = plan.draft_len, plan.target.vocabulary.eos_token_id
-    first_mask = first_token_mask(plan.masker)
-    target_rows, first_logits = plan.target.open(prompt, 1)
-    draft_rows = plan.draft.open(prompt, 1)[0] if plan.draft is not None else None
-    drafter = FreeDrafter.for_plan(plan, prompt) if plan.free is not None else None
-    try:
-        tokens: list[int] = []
-        cycles: list[CycleStats] = []
-        draft_passes = 0
-
-        def result() -> Result:
-            return Result(
-                method=plan.name,
-                prompt=prompt,
-                particles=[tokens],
-                finished=[eos in tokens],
-                log_weights=torch.zeros(1, dtype=torch.float64),
-                log_ml=0.0,
-                chosen=0,
-                cycles=cycles,
-                target_passes=len(cycles),
-                draft_passes=draft_passes,
-                seconds=time.perf_counter() - start,
-                decode=plan.target.decode,
-                kv=kv_memory(target_rows, draft_rows),
-                **mask_stats(plan.masker),
-                # under constraints a string cut by the budget may be incomplete
-                complete=plan.masker is None or eos in tokens or bool(plan.masker.complete([tokens])[0]),
-                free_draft=None if drafter is None else drafter.report(),
-            )
-
-        first = first_token(plan, first_logits, first_mask, generator)
-        if first is None:
-            raise AllParticlesDiedError("no first token has nonzero probability under the target (and its constraints, if any)", result())
-        tokens.append(first)
-        # tokens of the prefix the draft LM has not read yet
-        draft_unseen = [tokens[0]]
-        while len(tokens) < plan.max_tokens and tokens[-1] != eos:
-            target_length_before = target_rows.length
-            free = free_block(plan, drafter, tokens) if drafter is not None else None
-            from_lm = free is None and draft_rows is not None
-            if free is not None:
-                draft, mask_at, forced = free
-            else:
-                mask_at = None if plan.masker is None else block_masks(plan.masker, [tokens], torch.ones(1, dtype=torch.bool), eos)
-                if from_lm:
-                    draft_length_before = draft_rows.length
-                    draft = draft_block(draft_rows, torch.tensor([draft_unseen]), k, plan.draft_temperature, generator, mask_at)
-                    draft_passes += k
-                else:
-                    draft = empty_block(plan.target.vocabulary.size, constrained=mask_at is not None)
-            # [m + 1, V]: target logits after the last emitted token and after each drafted token
-            target_logits = target_rows.extend(torch.tensor([[tokens[-1]] + draft.tokens[0].tolist()]))[0]
-            accepted, emitted, dead = verify_drafts(plan, draft, target_logits, mask_at, generator, plan.max_tokens - len(tokens))
-            if dead:
-                raise AllParticlesDiedError("the constraints left the sequence no token of nonzero probability", result())
-            drafted = draft.tokens[0]
-            # the target keeps the last emitted token and the accepted drafts
-            target_rows.truncate(target_length_before + 1 + accepted)
-            if from_lm:
-                # the draft read draft_unseen and drafted[:K-1]; keep what is still on the path
-                kept_by_draft = min(accepted, k - 1)
-                draft_rows.truncate(draft_length_before + len(draft_unseen) + kept_by_draft)
-                draft_unseen = drafted[kept_by_draft:accepted].tolist() + [emitted]
-            else:
-                draft_unseen += drafted[:accepted].tolist() + [emitted]
-            if free is not None:
-                drafter.record(drafted.numel(), forced, accepted)
-            new = trim_at_eos(drafted[:accepted].tolist() + [emitted], eos)
-            new = new[: plan.max_tokens - len(tokens)]
-            tokens += new
-            cycles.append(CycleStats(1.0, False, 0.0, len(new), 1, accepted=accepted, proposed=drafted.numel()))
-            if on_cycle is not None:
-                on_cycle(cycles[-1], [tokens])
-        return result()
-    finally:
-        target_rows.close()
-        if draft_rows is not None:
-            draft_rows.close()

@@ -42,7 +42,7 @@ import time
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, LogitsProcessor
 
-from smc_sd.backends.hf import chat_prompt
+from smc_sd.models.chat import chat_prompt
 from smc_sd.models.draft import DRAFT_DIR, build_student, save_draft
 from smc_sd.models.instructions import instruction_prompts
 from smc_sd.models.smollm2 import default_model_dir

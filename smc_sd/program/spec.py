@@ -1,14 +1,16 @@
-"""The program's parts as frozen dataclasses; `Program.run` compiles and executes."""
+"""The program's parts as frozen dataclasses; `Program.run` runs them on the engine (`smc_sd.api`)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Literal
+from typing import TYPE_CHECKING, Callable, Literal
 
 import torch
 
 from smc_sd.backends.base import LanguageModel
-from smc_sd.engine.result import CycleStats, Result
+
+if TYPE_CHECKING:
+    from smc_sd.engine.result import CycleStats, Result
 
 
 @dataclass(frozen=True)
@@ -20,14 +22,14 @@ class Target:
         temperature: T > 0; p_T = softmax(logits / T).
         alpha: power > 0 (1 = plain sampling at temperature T).
         constraints: boolean potentials phi_c in {0, 1}: `TokenConstraint`s, `Language`s
-            (`smc_sd.program.languages`: a regex, Lark grammar or JSON schema), or genlm-control
+            (`smc_sd.constraints.languages`: a regex, Lark grammar or JSON schema), or genlm-control
             `Potential`s over bytes or over the LM's tokens (`Regex`, `Grammar`, `JsonSchema`
-            from `smc_sd.program.grammars`, genlm-control's BoolFSA, BoolCFG, JsonSchema, user
+            from `smc_sd.constraints.grammars`, genlm-control's BoolFSA, BoolCFG, JsonSchema, user
             subclasses), lowered to token masks by the compiler (llguidance where it can). They
             mask the draft and the bonus token; their masked normalisers enter the weights, and a
             string the token budget leaves incomplete gets weight zero.
         potentials: positive potentials phi_c scored at block end on whole prefixes
-            (`smc_sd.program.scores.BlockPotential`s, or genlm-control `Potential`s over bytes):
+            (`smc_sd.constraints.scores.BlockPotential`s, or genlm-control `Potential`s over bytes):
             log w += log phi(new prefix) - log phi(old prefix), complete scores at EOS.
     """
 
@@ -140,7 +142,7 @@ class Program:
         seed: int = 0,
         on_cycle: Callable[[CycleStats, list[list[int]]], None] | None = None,
     ) -> Result:
-        """Compile the program for this schedule and run it on one prompt.
+        """Run the program on one prompt (`smc_sd.api.run`: the batched engine with one request).
 
         Args:
             prompt: prompt token ids (non-empty).
@@ -148,10 +150,9 @@ class Program:
             seed: seeds the run's own random generator; equal seeds give equal results.
             on_cycle: called after every cycle with its stats and the particles' token ids.
         """
-        from smc_sd.compiler import compile_program
+        from smc_sd.api import run
 
-        plan = compile_program(self, schedule, prompt_length=len(prompt))
-        return plan.execute(prompt, seed=seed, on_cycle=on_cycle)
+        return run(self, prompt, schedule, seed=seed, on_cycle=on_cycle)
 
     def run_many(
         self,
@@ -160,11 +161,11 @@ class Program:
         seeds: list[int] | None = None,
         max_running: int = 32,
     ) -> list[Result]:
-        """Run the program on many prompts in one batch (`smc_sd.engine.batch.run_many`): the
+        """Run the program on many prompts in one batch (`smc_sd.api.run_many`): the
         particles of up to `max_running` prompts share every target and draft pass, and
         result i is what `run(prompts[i], schedule, seed=seeds[i])` returns (seeds default to 0).
         """
-        from smc_sd.engine.batch import run_many
+        from smc_sd.api import run_many
 
         return run_many(self, prompts, schedule, seeds=seeds, max_running=max_running)
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import json
 
-from smc_sd.program.languages import JSON_LAYOUTS
+from smc_sd.constraints.languages import JSON_LAYOUTS
 from smc_sd.serve.errors import bad_request
 from smc_sd.serve.fields import ARRAY, BOOLEAN, OBJECT, STRING, read, shown
 

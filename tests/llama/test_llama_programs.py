@@ -14,8 +14,8 @@ from scipy.stats import chi2
 from smc_sd import testing
 from smc_sd.backends.hf import chat_prompt
 from smc_sd.program import FreeDraft, Schedule
-from smc_sd.program.grammars import Regex
-from smc_sd.program.potentials import as_token_constraint
+from smc_sd.constraints.grammars import Regex
+from smc_sd.constraints.potentials import as_token_constraint
 from smc_sd.programs import get
 
 pytestmark = [pytest.mark.llama, pytest.mark.model]

@@ -15,7 +15,7 @@ from smc_sd.backends import vllm_capture
 from smc_sd.backends.base import check_same_vocabulary
 from smc_sd.backends.hf import chat_prompt
 from smc_sd.engine.sampling import tempered_logprobs
-from smc_sd.program.constraints import TokenConstraint
+from smc_sd.constraints.token_constraints import TokenConstraint
 from smc_sd.programs import get
 
 pytestmark = [pytest.mark.vllm, pytest.mark.model]

@@ -24,8 +24,8 @@ from genlm.control.potential.built_in.wcfg import BoolCFG
 from genlm.control.potential.built_in.wfsa import BoolFSA
 from genlm.control.potential.product import Product
 
-from smc_sd.program.grammars import GrammarPotential
-from smc_sd.program.languages import Language, json_schema_language
+from smc_sd.constraints.grammars import GrammarPotential
+from smc_sd.constraints.languages import Language, json_schema_language
 
 
 def lower(potential) -> Language | None:

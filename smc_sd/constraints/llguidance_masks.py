@@ -17,10 +17,10 @@ token trie from the parser state (forced bytes included), so the mask is the set
 token whose bytes keep the string completable, whatever tokenization it starts.
 
 The grammar is compiled once per (grammar text, tokenizer) and shared by every constraint of
-equal text (`smc_sd.program.compiled_grammars`); each constraint walks its own copy. Matcher
+equal text (`smc_sd.constraints.compiled_grammars`); each constraint walks its own copy. Matcher
 states live in the constraint's `MatcherPool`, shared by genealogy: a prefix's state is its
 parent's matcher walked on in place, or a rolled-back copy where lines fork
-(`smc_sd.program.matcher_pool`). States and mask rows belong to the constraint and are freed
+(`smc_sd.constraints.matcher_pool`). States and mask rows belong to the constraint and are freed
 with it: a program lowers its constraints afresh for every run.
 
 A mask is computed as llguidance's int32 bit words (one `unsafe_compute_mask_ptr` per distinct
@@ -45,9 +45,9 @@ import llguidance.hf
 import numpy as np
 import torch
 
-from smc_sd.program.compiled_grammars import root_matcher
-from smc_sd.program.constraints import TokenConstraint, stack_rows
-from smc_sd.program.matcher_pool import MatcherPool
+from smc_sd.constraints.compiled_grammars import root_matcher
+from smc_sd.constraints.token_constraints import TokenConstraint, stack_rows
+from smc_sd.constraints.matcher_pool import MatcherPool
 
 #: distinct masks kept (as bools, 6 KiB of words and 48 KiB of bools each at V = 49,152)
 MAX_ROWS = 256

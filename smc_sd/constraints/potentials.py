@@ -6,10 +6,10 @@ token bytes, as genlm-control's `coerce(llm, f=b"".join)` does:
     phi_tokens(x_1..x_t) = phi_bytes(bytes(x_1) + ... + bytes(x_t)).
 
 Lowering, in order of preference:
-- A `Language` (smc_sd.program.languages: a regex, Lark grammar or JSON schema compiled to an
-  llguidance grammar), `Regex`, `Grammar`, `JsonSchema` (smc_sd.program.grammars, the same as
+- A `Language` (smc_sd.constraints.languages: a regex, Lark grammar or JSON schema compiled to an
+  llguidance grammar), `Regex`, `Grammar`, `JsonSchema` (smc_sd.constraints.grammars, the same as
   genlm-control potentials), and genlm-control's `BoolFSA`, `BoolCFG` and `JsonSchema` whose
-  language can be read back (smc_sd.program.genlm_lowering), become llguidance masks
+  language can be read back (smc_sd.constraints.genlm_lowering), become llguidance masks
   (`GrammarConstraint`): exact, tens of microseconds per mask. A schema llguidance only
   over-approximates also yields a `CompletionCheck`, the exact test as phi on complete strings.
   A `Language` is lowered without loading genlm-control; any other constraint loads it.
@@ -28,9 +28,9 @@ import weakref
 
 import torch
 
-from smc_sd.program.byte_vocabulary import vocabulary_trie
-from smc_sd.program.constraints import ConjunctionConstraint, TokenConstraint
-from smc_sd.program.scores import BlockPotential
+from smc_sd.constraints.byte_vocabulary import vocabulary_trie
+from smc_sd.constraints.token_constraints import ConjunctionConstraint, TokenConstraint
+from smc_sd.constraints.scores import BlockPotential
 
 
 # per byte potential, per LM: the masks of its byte prefixes, kept while both live (a
@@ -152,15 +152,15 @@ def as_token_constraint(constraint, lm) -> TokenConstraint:
 
 def _lower(constraint, lm) -> TokenConstraint:
     # llguidance loads with the first constraint: an unconstrained run needs none
-    from smc_sd.program.languages import Language
-    from smc_sd.program.llguidance_masks import GrammarConstraint
+    from smc_sd.constraints.languages import Language
+    from smc_sd.constraints.llguidance_masks import GrammarConstraint
 
     if isinstance(constraint, Language):
         return GrammarConstraint(constraint.grammar, lm, constraint.description, constraint.exact_check)
     # every other constraint is a genlm-control potential: only now is genlm-control loaded
     from genlm.control.potential import Potential
 
-    from smc_sd.program.genlm_lowering import factors, lower
+    from smc_sd.constraints.genlm_lowering import factors, lower
 
     if not isinstance(constraint, Potential):
         raise TypeError(f"a constraint must be a TokenConstraint, a Language or a genlm-control Potential, got {type(constraint).__name__}")

@@ -29,7 +29,7 @@ from typing import Callable, Hashable
 
 import llguidance
 
-from smc_sd.program.languages import one_line
+from smc_sd.constraints.languages import one_line
 
 #: compiled grammar roots kept (module docstring)
 MAX_GRAMMARS = 128

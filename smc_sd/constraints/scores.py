@@ -19,7 +19,7 @@ from typing import Callable
 
 import torch
 
-from smc_sd.program.byte_vocabulary import vocabulary_trie
+from smc_sd.constraints.byte_vocabulary import vocabulary_trie
 
 
 class BlockPotential(abc.ABC):

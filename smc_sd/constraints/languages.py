@@ -2,7 +2,7 @@
 over bytes without any model, and checked at once.
 
 A `Language` is what the compiler lowers to exact token masks of the target
-(`smc_sd.program.llguidance_masks`); `smc_sd.program.grammars` wraps the same object as a
+(`smc_sd.constraints.llguidance_masks`); `smc_sd.constraints.grammars` wraps the same object as a
 genlm-control potential (`Regex`, `Grammar`, `JsonSchema`) for programs that compose it with
 genlm-control's. The command line and the server build `Language`s directly, so a run whose
 constraints are all regexes, grammars and schemas never loads genlm-control.
@@ -26,8 +26,8 @@ from typing import Callable
 
 import llguidance
 
-from smc_sd.program.constraints import UnsatisfiableConstraintError
-from smc_sd.program.json_validation import schema_validator
+from smc_sd.constraints.token_constraints import UnsatisfiableConstraintError
+from smc_sd.constraints.json_validation import schema_validator
 
 #: the compile options that let llguidance over-approximate what it cannot enforce exactly
 LENIENT = {"lenient": True, "coerce_one_of": True}

@@ -1,7 +1,7 @@
 """The byte string of every token of a language model, and the trie of those byte strings.
 
-Both the token masks of a byte potential (`smc_sd.program.potentials`) and the block-end scores
-of one (`smc_sd.program.scores`) read a token sequence x_1..x_t as the bytes
+Both the token masks of a byte potential (`smc_sd.constraints.potentials`) and the block-end scores
+of one (`smc_sd.constraints.scores`) read a token sequence x_1..x_t as the bytes
 bytes(x_1) + ... + bytes(x_t); this module computes bytes(v) for every token id v once per LM.
 """
 

@@ -1,5 +1,5 @@
 """`Regex`, `Grammar` (Lark) and `JsonSchema` as genlm-control potentials: boolean potentials over
-bytes, each carrying its `Language` (`smc_sd.program.languages`).
+bytes, each carrying its `Language` (`smc_sd.constraints.languages`).
 
 Each is a genlm-control `Potential` whose vocabulary is the 256 byte values, so it composes with
 genlm-control's `*` and runs inside genlm-control's samplers; the compiler lowers it to exact
@@ -19,8 +19,8 @@ import numpy as np
 
 from genlm.control.potential import Potential
 
-from smc_sd.program.compiled_grammars import root_matcher
-from smc_sd.program.languages import Language, byte_tokenizer, json_schema_language, lark_language, regex_language
+from smc_sd.constraints.compiled_grammars import root_matcher
+from smc_sd.constraints.languages import Language, byte_tokenizer, json_schema_language, lark_language, regex_language
 
 
 class GrammarPotential(Potential):

@@ -1,0 +1,62 @@
+"""Where the layers meet: a program runs as requests of the batched engine.
+
+The program (`smc_sd.program`) is data a user writes; the engine (`smc_sd.engine.batch`)
+compiles each request's program with its schedule (`smc_sd.compiler`) and runs the plans, the
+particles of every running request in one target pass per cycle. A single run is the engine
+with one request: every program runs on the one engine, and a request's result for a seed does
+not depend on what runs beside it. `Program.run`, `Program.run_many` and `Program.smc` call
+these functions.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from smc_sd.engine.batch import BatchEngine, Request
+from smc_sd.engine.result import CycleStats, Result
+
+
+def run(program, prompt: list[int], schedule, seed: int = 0, on_cycle: Callable[[CycleStats, list[list[int]]], None] | None = None) -> Result:
+    """Run a program on one prompt: the batched engine with one request.
+
+    Args:
+        program: a `smc_sd.program.Program`.
+        prompt: prompt token ids (non-empty).
+        schedule: a `smc_sd.program.Schedule`.
+        seed: seeds the request's own random generator; equal seeds give equal results.
+        on_cycle: called after every cycle with its stats and every particle's generated tokens
+            (each ending at its EOS); what it raises ends the run and is raised here.
+
+    Raises:
+        what the compiler refuses (ValueError naming the setting, ContextOverflowError,
+        TokenizerMismatchError), AllParticlesDiedError, UnsatisfiableConstraintError.
+    """
+    engine = engine_for(program, max_running=1, max_waiting=1, max_slots=schedule.particles)
+    handle = engine.submit(Request(list(prompt), program, schedule, seed), on_cycle=on_cycle)
+    while engine.step():
+        pass
+    return handle.result()
+
+
+def run_many(program, prompts: list[list[int]], schedule, seeds: list[int] | None = None, max_running: int = 32) -> list[Result]:
+    """Run a program on many prompts in one batch: result i is what `run(program, prompts[i],
+    schedule, seeds[i])` returns (seeds default to 0, `run`'s default); the particles of up to
+    `max_running` prompts share every target and draft pass.
+
+    Raises:
+        the first failure among the requests, after all of them have ended.
+    """
+    seeds = [0] * len(prompts) if seeds is None else list(seeds)
+    if len(seeds) != len(prompts):
+        raise ValueError(f"{len(seeds)} seeds for {len(prompts)} prompts")
+    engine = engine_for(program, max_running=max_running, max_waiting=len(prompts), max_slots=max_running * schedule.particles)
+    handles = [engine.submit(Request(list(p), program, schedule, s)) for p, s in zip(prompts, seeds)]
+    while engine.step():
+        pass
+    return [handle.result() for handle in handles]
+
+
+def engine_for(program, max_running: int, max_waiting: int, max_slots: int) -> BatchEngine:
+    """A batched engine over the program's target and draft model (if any)."""
+    draft = program.proposal.lm if program.proposal is not None else None
+    return BatchEngine(program.target.lm, draft, max_running=max_running, max_waiting=max_waiting, max_slots=max_slots)
