@@ -83,8 +83,8 @@ def main(argv=None) -> dict:
     from smc_sd.backends.hf import chat_prompt
     from smc_sd.metrics import empirical, total_variation, tv_tolerance
     from smc_sd.program import Schedule
-    from smc_sd.program.grammars import Regex
-    from smc_sd.program.potentials import as_token_constraint
+    from smc_sd.constraints.grammars import Regex
+    from smc_sd.constraints.potentials import as_token_constraint
     from smc_sd.programs import mask_at_verify, smc_speculative
 
     target, draft = load_default_models()

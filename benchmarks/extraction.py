@@ -48,7 +48,7 @@ ROWS = {
 def build(method: str, draft_spec: str | None, target, distilled, schema, layout: str, temperature: float):
     """The row's program under the schema."""
     from smc_sd.program import FreeDraft
-    from smc_sd.program.grammars import JsonSchema
+    from smc_sd.constraints.grammars import JsonSchema
     from smc_sd.programs import get
 
     module = get(method)

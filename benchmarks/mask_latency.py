@@ -44,7 +44,7 @@ def answers(target, items: list[dict], seeds: int, temperature: float, max_token
     from smc_sd import Schedule
     from smc_sd.backends.hf import chat_prompt
     from smc_sd.program import FreeDraft
-    from smc_sd.program.grammars import JsonSchema
+    from smc_sd.constraints.grammars import JsonSchema
     from smc_sd.programs import get
 
     eos = target.vocabulary.eos_token_id
@@ -62,8 +62,8 @@ def fresh_masker(target, schema):
     """A `Masker` of the schema with a fresh matcher pool and mask table, as a run's plan holds
     for a schema it has not seen (built directly: the compiler's cache would keep every one)."""
     from smc_sd.compiler.masks import Masker
-    from smc_sd.program.grammars import JsonSchema
-    from smc_sd.program.llguidance_masks import GrammarConstraint
+    from smc_sd.constraints.grammars import JsonSchema
+    from smc_sd.constraints.llguidance_masks import GrammarConstraint
 
     potential = JsonSchema(schema)
     constraint = GrammarConstraint(potential.grammar, target, potential.description, potential.exact_check)
@@ -117,8 +117,8 @@ def fill_floor(target, schema, answer: list[int], between=None) -> list[float]:
     import llguidance
     import llguidance.torch
 
-    from smc_sd.program.grammars import JsonSchema
-    from smc_sd.program.llguidance_masks import lm_tokenizer, without_forcing
+    from smc_sd.constraints.grammars import JsonSchema
+    from smc_sd.constraints.llguidance_masks import lm_tokenizer, without_forcing
 
     tokenizer, _ = lm_tokenizer(target)
     matcher = llguidance.LLMatcher(tokenizer, without_forcing(JsonSchema(schema).grammar), log_level=0)

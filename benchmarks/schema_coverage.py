@@ -36,14 +36,14 @@ def items() -> dict[str, pathlib.Path]:
 
 
 def build(path: pathlib.Path):
-    from smc_sd.program.grammars import Grammar, JsonSchema
+    from smc_sd.constraints.grammars import Grammar, JsonSchema
 
     return JsonSchema(path) if path.suffix == ".json" else Grammar(path.read_text())
 
 
 def is_valid(path: pathlib.Path, text: str) -> bool:
     if path.suffix == ".json":
-        from smc_sd.program.json_validation import schema_validator
+        from smc_sd.constraints.json_validation import schema_validator
 
         try:
             return schema_validator(json.loads(path.read_text())).is_valid(json.loads(text))

@@ -35,7 +35,7 @@ from _common import emit, environment
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 # the modules a run of the first command imports, and genlm-control, which it no longer does
-IMPORTS = ["smc_sd", "smc_sd.cli", "torch", "smc_sd.program", "transformers", "smc_sd.backends.hf", "smc_sd.program.languages", "genlm.control"]
+IMPORTS = ["smc_sd", "smc_sd.cli", "torch", "smc_sd.program", "transformers", "smc_sd.backends.hf", "smc_sd.constraints.languages", "genlm.control"]
 # the summary line's "[34 tokens in 2.86 s, ..."
 SUMMARY = re.compile(r"\[(\d+) tokens in ([0-9.]+) s")
 
