@@ -14,7 +14,7 @@ import torch
 from smc_sd.backends.toy import ToyLM
 from smc_sd.engine.result import AllParticlesDiedError
 from smc_sd.metrics import empirical, total_variation, tv_tolerance
-from smc_sd.program import Schedule
+from smc_sd.program import FreeDraft, Schedule
 from smc_sd.constraints.token_constraints import PredicateConstraint, UnsatisfiableConstraintError
 from smc_sd.programs import mask_at_verify, smc_speculative
 from tests.toy_programs import PROMPT, sample_completions, target_and_draft
@@ -105,12 +105,20 @@ def test_exact_future_validity_twist_raises_the_final_ess():
     assert twisted > plain + 0.5
 
 
-def test_twisted_smc_sd_still_targets_the_conditional():
+def proposal(draft, kind: str, draft_len: int) -> dict:
+    """smc_speculative.program's proposal arguments: the draft LM, or the free draft alone."""
+    if kind == "free":
+        return {"draft": None, "free_draft": FreeDraft(min_match=1, max_len=3)}
+    return {"draft": draft, "draft_len": draft_len}
+
+
+@pytest.mark.parametrize("kind", ["draft LM", "free"])
+def test_twisted_smc_sd_still_targets_the_conditional(kind):
     target, draft = target_and_draft(noise=1.0)
     constraint = language_constraint()
     exact, _ = target.completion_distribution(PROMPT, MAX_TOKENS, constraint=constraint)
     twist = exact_future_validity_twist(target, constraint, MAX_TOKENS)
-    program = smc_speculative.program(target, draft, draft_len=1, constraints=(constraint,), twist=twist)
+    program = smc_speculative.program(target, constraints=(constraint,), twist=twist, **proposal(draft, kind, 1))
     runs = 300
     samples = sample_completions(program, Schedule(16, max_tokens=MAX_TOKENS), runs)
     assert total_variation(empirical(samples), exact) < tv_tolerance(exact, runs)
@@ -210,7 +218,8 @@ def test_potential_twist_scores_decoded_prefixes():
     assert twist([[0], [1, 2], [1, 0], [2, 1, 1]]).tolist() == [0.0, 0.0, -math.inf, 0.0]
 
 
-def test_block_end_potential_composes_with_a_constraint():
+@pytest.mark.parametrize("kind", ["draft LM", "free"])
+def test_block_end_potential_composes_with_a_constraint(kind):
     from smc_sd.constraints.scores import FunctionPotential
 
     target, draft = target_and_draft(noise=1.0)
@@ -226,6 +235,6 @@ def test_block_end_potential_composes_with_a_constraint():
     runs = 1000
     tolerance = tv_tolerance(exact, runs)
     assert total_variation(exact, conditional) > tolerance + 0.05
-    program = smc_speculative.program(target, draft, draft_len=2, constraints=(constraint,), potentials=(FunctionPotential(log_phi),))
+    program = smc_speculative.program(target, constraints=(constraint,), potentials=(FunctionPotential(log_phi),), **proposal(draft, kind, 2))
     samples = sample_completions(program, Schedule(64, max_tokens=MAX_TOKENS), runs)
     assert total_variation(empirical(samples), exact) < tolerance
