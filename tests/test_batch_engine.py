@@ -22,7 +22,7 @@ from smc_sd.engine.result import AllParticlesDiedError
 from smc_sd.metrics import empirical, total_variation, tv_tolerance
 from smc_sd.program import FreeDraft, Schedule
 from smc_sd.programs import autoregressive, mask_at_verify, smc_speculative, speculative
-from tests.test_constraints import in_language, language_constraint
+from tests.test_constraints import in_language, language_constraint, word
 from tests.toy_programs import PROMPT, target_and_draft
 
 
@@ -221,6 +221,35 @@ def test_stop_strings_end_particles_at_the_token_that_completes_them():
         assert total_variation(empirical(samples), law) < tv_tolerance(law, runs), program.name
 
 
+def test_a_stop_string_under_a_constraint_is_part_of_the_constrained_text():
+    # pi(y) ∝ p_T(y) 1[y complete in L] over strings that end at EOS or at their first "b":
+    # "ab" and "cb" end at the stop string inside L; "cabc" ends at its first "b" as "cab",
+    # outside L, so it gets weight zero
+    target, draft = target_and_draft(noise=1.0)
+    language, stop, max_tokens = ("a", "ab", "cabc", "cb", "cc"), "b", 4
+    constraint = language_constraint(language)
+    law = stopped_distribution(target.completion_distribution(PROMPT, max_tokens)[0], stop, target.decode)
+    valid = {x: p for x, p in law.items() if word([t for t in x if t != 3]) in language and (x[-1] == 3) != target.decode(list(x)).endswith(stop)}
+    exact = {x: p / sum(valid.values()) for x, p in valid.items()}
+    assert {target.decode(list(x)) for x in exact} == {"a", "ab", "cb", "cc"}
+    runs = 600
+    for program in (
+        smc_speculative.program(target, draft, draft_len=2, constraints=(constraint,)),
+        smc_speculative.program(target, None, constraints=(constraint,), free_draft=FreeDraft(min_match=1, max_len=3)),
+    ):
+        engine = BatchEngine(target, draft, max_running=32, max_waiting=runs, max_slots=32 * 16)
+        handles = run_all(engine, [Request(PROMPT, program, Schedule(16, max_tokens=max_tokens), seed=s, stop=(stop,)) for s in range(runs)])
+        results = [h.result(0) for h in handles]
+        assert all(r.complete for r in results) and any(target.decode(p) == "cab" for r in results for p in r.particles)
+        assert total_variation(empirical([tuple(r.tokens) for r in results]), exact) < tv_tolerance(exact, runs), program.proposal
+    # one sequence: a string that ends at a stop string outside the language is not complete
+    program = mask_at_verify.program(target, draft, draft_len=2, constraints=(constraint,))
+    engine = BatchEngine(target, draft, max_running=32, max_waiting=runs, max_slots=32)
+    for handle in run_all(engine, [Request(PROMPT, program, Schedule(1, max_tokens=max_tokens), seed=s, stop=(stop,)) for s in range(200)]):
+        result = handle.result(0)
+        assert result.complete == (word([t for t in result.tokens if t != 3]) in language)
+
+
 # --- streaming, cancellation, failures, refusals ----------------------------------------------
 
 
@@ -308,10 +337,9 @@ def test_bad_requests_are_refused_before_they_join():
         (Request(PROMPT, smc_speculative.program(target, other), Schedule(2)), ValueError, "not one of the engine's drafts"),
         (Request(PROMPT, program, Schedule(9)), ValueError, "9 particles exceed the engine's 8"),
         (Request(PROMPT, program, Schedule(2), stop=("",)), ValueError, "non-empty"),
-        (Request(PROMPT, smc_speculative.program(target, draft, constraints=(language_constraint(),)), Schedule(2), stop=("a",)), ValueError, "stop strings cannot be combined"),
         (Request(PROMPT, program, Schedule(2, max_tokens=300)), ValueError, "context window"),
         (Request(PROMPT, program, Schedule(0)), ValueError, "particles must be >= 1"),
-        (Request(PROMPT, smc_speculative.program(target, draft, free_draft=FreeDraft()), Schedule(2)), ValueError, r"free\+NAME\) does not run in the batched engine"),
+        (Request(PROMPT, smc_speculative.program(target, draft, free_draft=FreeDraft()), Schedule(2)), ValueError, "with the free draft alone: use --draft free"),
     ]
     for request, error, message in cases:
         with pytest.raises(error, match=message):

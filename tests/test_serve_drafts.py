@@ -175,24 +175,17 @@ def test_bad_lists_of_drafts_are_refused_in_one_line(capsys, flags, message):
     assert status == 2 and err.count("\n") == 1 and message in err
 
 
-def test_smc_sd_with_the_free_draft_on_vllm_is_refused_in_one_line_before_anything_loads(capsys):
-    status = main(["generate", "hi", "--method", "smc-sd", "--draft", "free", "--backend", "vllm"])
-    err = capsys.readouterr().err
-    assert status == 2 and err.count("\n") == 1
-    assert err.startswith("smc-sd: error: smc-sd with a free draft keeps particles of different lengths, which --backend vllm cannot hold yet")
-
-
 def test_a_server_with_a_free_draft_beside_a_draft_model_is_refused_in_one_line(capsys):
     status = main(["serve", "--draft", "free+self", "--port", "0"])
     err = capsys.readouterr().err
     assert status == 2 and err.count("\n") == 1 and 'serve --draft self and send "draft": "free+self" with sd or mask-at-verify' in err
 
 
-def test_a_structured_request_defaults_to_the_free_draft_unless_smc_sd_needs_ragged_rows():
+def test_a_structured_request_defaults_to_the_free_draft():
     body = {"model": "m", "prompt": [1, 2], "response_format": schema_format(PERSON)}
-    for ragged, method, draft in ((True, "smc-sd", "free"), (True, "mask-at-verify", "free"), (False, "smc-sd", "self"), (False, "mask-at-verify", "free")):
-        model = ServedModel("m", None, 10, drafts=("self",), ragged_rows=ragged)
-        assert parse({**body, "method": method}, "completion", model).draft == draft
+    for method in ("smc-sd", "mask-at-verify"):
+        model = ServedModel("m", None, 10, drafts=("self",))
+        assert parse({**body, "method": method}, "completion", model).draft == "free"
         # without a structured output, the loaded draft
         plain = {key: value for key, value in body.items() if key != "response_format"}
         assert parse({**plain, "method": method}, "completion", model).draft == "self"

@@ -25,10 +25,12 @@ particles holding equal tokens share one row), each holding prompt + generated[:
 length (`SlotTable.length`); the draft's rows are the same for the requests with a draft,
 holding prompt + generated[:-2]. Together with
 the backends' laws for rows of different lengths, this makes a request's law independent of
-the batch: it draws what `Program.run` draws, in the same order, from logits equal to its own.
+the batch: it draws what it draws alone (`Program.run` is this engine with one request), in
+the same order, from logits equal to its own.
 
-A backend whose rows keep one length (`Sequences.join` raises NotImplementedError) still serves,
-one request at a time, except SMC-SD with a free draft and N > 1, whose particles end cycles at
+A backend whose rows keep one length (`Sequences.join` raises NotImplementedError: the hf
+backend's "copy" and "static" caches, and paged rows that keep a feature draft's features)
+still serves, one request at a time, except SMC-SD with a free draft and N > 1, whose particles end cycles at
 different lengths: that request fails with one line (`ONE_LENGTH_REFUSAL`).
 
 Errors: a request's own failure (all particles died, a potential that raises) fails that
@@ -68,7 +70,7 @@ class RowsOfOneLengthError(ValueError):
 #: why a request whose particles end cycles at different lengths cannot run on some backends
 ONE_LENGTH_REFUSAL = (
     "smc-sd with a free draft and more than one particle needs rows of different lengths, "
-    "which this backend cannot hold (its rows keep one length); use the hf backend, or sd or mask-at-verify"
+    "which this backend cannot hold (its rows keep one length); use the hf backend's paged cache, vLLM or llama.cpp, or sd or mask-at-verify"
 )
 
 
@@ -266,8 +268,6 @@ class BatchEngine:
             raise ValueError(f"{schedule.particles} particles exceed the engine's {self.table.max_slots} particle slots")
         if any(not isinstance(s, str) or not s for s in request.stop):
             raise ValueError("every stop string must be a non-empty string")
-        if request.stop and program.target.constraints:
-            raise ValueError("stop strings cannot be combined with constraints: the constraint decides where the output ends")
         return compile_program(program, schedule, len(request.prompt))
 
     def _keeps_ragged_rows(self) -> bool:

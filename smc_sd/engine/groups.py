@@ -16,6 +16,15 @@ finishes at the token that completed it; the rest of its block counts nothing, e
 an EOS (`smc_sd.engine.smc.advance`). Its tokens keep that token; cutting the text at the stop
 string is the caller's.
 
+Stop strings under a constraint: the stop string is part of the constrained text. The string y a
+particle ends with at a stop string (its tokens through the one that completed the stop string)
+counts only if y is a complete string of the constraints, as a string the token budget cuts:
+the target is pi(y) ∝ p_T(y)^alpha · phi(y) over the strings that end at EOS or at their first
+stop string, phi(y) = 1 iff y (without its EOS) is complete. Masks keep every prefix viable, so
+only completeness is checked at the end (`complete_at_budget`); the caller that cuts the text
+before the stop string would return a text the constraint never checked, so the server keeps
+the stop string in a structured output's text.
+
 Dimension letters: N particles, A unfinished ones, K draft length, V vocabulary, S generated.
 """
 
@@ -277,7 +286,9 @@ class ImportanceGroup(Group):
             AllParticlesDiedError: when every final weight is zero.
         """
         state = self.table.particles(self.slots, self.generated)
-        outcome = conclude(self.plan, state, self.log_z, self.generator)
+        # a string that ended at a stop string is judged complete or not like one the budget cut
+        ended_at_eos = state.finished & ~self.table.stopped[self.slots]
+        outcome = conclude(self.plan, replace(state, finished=ended_at_eos), self.log_z, self.generator)
         if outcome is None:
             raise AllParticlesDiedError("every particle reached weight zero", self.result_with(state.logw - state.log_twist, -math.inf, 0, True, kv))
         return self.result_with(*outcome, kv)

@@ -235,7 +235,8 @@ def complete_at_budget(plan, tokens: torch.Tensor, finished: torch.Tensor, logw:
     constraints every string is complete and the weights are returned unchanged.
 
     Args:
-        tokens: [N, S] int64 generated tokens; finished: [N] bool, particles that produced EOS.
+        tokens: [N, S] int64 generated tokens (EOS filler after a string that ended otherwise,
+            at a stop string); finished: [N] bool, particles that produced EOS.
         logw, log_phi: [N] float64 log weights and the block-end potentials' scores inside them.
 
     Returns:
@@ -245,7 +246,7 @@ def complete_at_budget(plan, tokens: torch.Tensor, finished: torch.Tensor, logw:
         return logw
     cut = (~finished & torch.isfinite(logw)).nonzero().flatten()
     complete = finished.clone()
-    complete[cut] = plan.masker.complete(tokens[cut].tolist())
+    complete[cut] = plan.masker.complete([row[: row.index(eos)] if eos in row else row for row in tokens[cut].tolist()])
     if plan.potential is not None:
         logw, _ = rescore(plan.potential, tokens, complete, complete & ~finished, logw, log_phi, eos)
     return logw.masked_fill(~complete, -math.inf)

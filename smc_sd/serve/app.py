@@ -45,13 +45,11 @@ class Server:
         name: the model name clients send and /v1/models lists.
         default_draft: the draft of requests that name none and have no structured output
             (default: the first loaded, else "free").
-        ragged_rows: whether the backend holds rows of different lengths (hf, vLLM and
-            llama.cpp all do; a backend of one-length rows would not).
     """
 
-    def __init__(self, engine, target, drafts: dict | None, name: str, default_draft: str | None = None, ragged_rows: bool = True):
+    def __init__(self, engine, target, drafts: dict | None, name: str, default_draft: str | None = None):
         self.engine, self.target, self.drafts = engine, target, dict(drafts or {})
-        self.model = ServedModel(name, target.tokenizer, target.vocabulary.size, tuple(self.drafts), default_draft, ragged_rows)
+        self.model = ServedModel(name, target.tokenizer, target.vocabulary.size, tuple(self.drafts), default_draft)
         self.created = int(time.time())
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -174,7 +172,7 @@ async def complete(server: Server, client: HTTPRequest, endpoint: str):
         return JSONResponse({}, status_code=499)
     choices = []
     for index, request in enumerate(requests):
-        text, finish = choice_text(results[index], parsed.stop)
+        text, finish = choice_text(results[index], parsed.cut_at)
         choices.append(shapes.choice(index, text, finish, choice_smc(server, parsed, request, results[index])))
     counts = usage(sum(len(p) for p in parsed.prompts), sum(len(r.tokens) for r in results.values()))
     return JSONResponse(shapes.answer(choices, counts))
@@ -183,7 +181,7 @@ async def complete(server: Server, client: HTTPRequest, endpoint: str):
 def choice_smc(server: Server, parsed: Parsed, request, result) -> dict:
     """The smc object of one choice."""
     draft_len = request.program.proposal.draft_len if request.program.proposal is not None else 0
-    return {**smc_object(result, request.seed, draft_len, parsed.stop, parsed.return_particles), "draft": parsed.draft}
+    return {**smc_object(result, request.seed, draft_len, parsed.cut_at, parsed.return_particles), "draft": parsed.draft}
 
 
 def sse(obj) -> str:
@@ -196,7 +194,7 @@ async def stream(server: Server, parsed: Parsed, requests: list, run: Run, shape
     finish_reason and smc object, a usage chunk if asked, then `data: [DONE]`. A client that
     disconnects cancels the run (the generator is closed at its next await)."""
     decode = server.target.decode
-    deltas = [TextDeltas(decode, parsed.stop) for _ in requests]
+    deltas = [TextDeltas(decode, parsed.cut_at) for _ in requests]
     usage_null = parsed.include_usage
     try:
         if parsed.endpoint == "chat":
@@ -209,7 +207,7 @@ async def stream(server: Server, parsed: Parsed, requests: list, run: Run, shape
                 if text:
                     yield sse(shapes.chunk(index, text, with_usage=usage_null))
             elif event.kind == "done":
-                text, finish = choice_text(event.result, parsed.stop)
+                text, finish = choice_text(event.result, parsed.cut_at)
                 rest = deltas[index].rest(text)
                 if rest:
                     yield sse(shapes.chunk(index, rest, with_usage=usage_null))

@@ -60,16 +60,14 @@ CHAT_ROLES = ("system", "developer", "user", "assistant")
 class ServedModel:
     """What parsing needs of the served target: its name, tokenizer and vocabulary size V, and
     the drafts the server loaded (names as `--draft` gave them; none when it serves the free
-    draft alone), the default of requests that name none (None: the first loaded, else free),
-    and whether the backend holds rows of different lengths (smc-sd with the free draft needs
-    them)."""
+    draft alone), and the default of requests that name none (None: the first loaded, else
+    free)."""
 
     name: str
     tokenizer: object
     vocabulary_size: int
     drafts: tuple[str, ...] = ()
     default: str | None = None
-    ragged_rows: bool = True
 
     @property
     def default_draft(self) -> str:
@@ -112,6 +110,13 @@ class Parsed:
     stream: bool
     include_usage: bool
     return_particles: bool
+
+    @property
+    def cut_at(self) -> tuple[str, ...]:
+        """The stop strings a choice's text is cut before: all of them, except under a
+        structured output, whose text keeps its stop string (it is part of the constrained
+        text the engine checked complete: `smc_sd.engine.groups`)."""
+        return () if self.options.get("constraints") else self.stop
 
 
 def spell(name: str) -> str:
@@ -182,8 +187,7 @@ def request_draft(body: dict, method: str, structured: bool, model: ServedModel)
             raise bad_request(f"method {method} drafts nothing; drop draft", "draft")
         return None
     if draft is None:
-        free_runs = model.ragged_rows or method != "smc-sd"
-        return FREE if structured and free_runs else model.default_draft
+        return FREE if structured else model.default_draft
     try:
         choice = parse_draft(draft)
     except ValueError as error:

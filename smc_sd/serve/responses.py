@@ -50,9 +50,11 @@ def acceptance(result: Result, draft_len: int) -> float | None:
 
 
 def choice_text(result: Result, stop: tuple[str, ...]) -> tuple[str, str]:
-    """(the chosen particle's text cut before any stop string, OpenAI's finish_reason)."""
+    """(the chosen particle's text cut before any of the stop strings `stop`, OpenAI's
+    finish_reason: "stop" when its string ended, at EOS or a stop string, complete under the
+    request's constraints; else "length")."""
     text, stopped = cut_at_stop(result.text, stop)
-    return text, "stop" if stopped or result.finished[result.chosen] else "length"
+    return text, "stop" if (stopped or result.finished[result.chosen]) and result.complete else "length"
 
 
 def smc_object(result: Result, seed: int, draft_len: int, stop: tuple[str, ...], return_particles: bool) -> dict:
