@@ -142,6 +142,25 @@ def test_concurrent_free_draft_json_schema_requests_all_validate(free_server):
 
 
 @model
+@pytest.mark.parametrize("method", ["mask-at-verify", "smc-sd"])
+def test_a_stop_string_under_a_schema_stays_in_the_constrained_text(free_server, method):
+    # the stop string "}" is part of the constrained text: a string that ends at it counts only
+    # complete (a "}" inside a name ends the string incomplete), and the text keeps it
+    client = free_server.client()
+    answer = client.chat.completions.create(model=MODEL, messages=EXTRACT, max_tokens=40, seed=0, n=6, stop=["}"],
+                                            response_format=schema_format(PERSON), extra_body={"method": method})
+    complete = 0
+    for choice in answer.choices:
+        if smc(choice)["complete"]:
+            complete += 1
+            assert choice.finish_reason == "stop" and choice.message.content.endswith("}")
+            jsonschema.validate(json.loads(choice.message.content), PERSON)
+        else:
+            assert choice.finish_reason == "length"
+    assert complete >= 1
+
+
+@model
 def test_a_server_serves_several_drafts_each_request_its_own():
     server = ServerProcess("--draft", "distilled,self", "--max-running", "8")
     try:
