@@ -45,6 +45,26 @@ ROWS = {
 }
 
 
+def load_items(count: int | None = None) -> list[dict]:
+    """The first `count` items (all by default): each a `name`, a `document`, a JSON `schema`."""
+    return json.loads(ITEMS.read_text())[:count]
+
+
+def request_text(item: dict) -> str:
+    """The user message of an item: `REQUEST` with its schema (compact JSON) and its document."""
+    return REQUEST.format(schema=json.dumps(item["schema"], separators=(",", ":")), document=item["document"])
+
+
+def is_valid(text: str, schema: dict) -> bool:
+    """Whether `text` parses as JSON and validates against `schema` (jsonschema, Draft 2020-12)."""
+    import jsonschema
+
+    try:
+        return jsonschema.Draft202012Validator(schema).is_valid(json.loads(text))
+    except ValueError:
+        return False
+
+
 def build(method: str, draft_spec: str | None, target, distilled, schema, layout: str, temperature: float):
     """The row's program under the schema."""
     from smc_sd.program import FreeDraft
@@ -61,15 +81,10 @@ def build(method: str, draft_spec: str | None, target, distilled, schema, layout
 
 def run_item(program, prompt: list[int], particles: int, max_tokens: int, seed: int, schema) -> dict:
     """One decode: its counts and whether its output validates."""
-    import jsonschema
-
     from smc_sd import Schedule
 
     result = program.run(prompt, Schedule(particles, max_tokens=max_tokens), seed=seed)
-    try:
-        valid = result.complete and jsonschema.Draft202012Validator(schema).is_valid(json.loads(result.text))
-    except ValueError:
-        valid = False
+    valid = result.complete and is_valid(result.text, schema)
     tokens = len(result.tokens)
     return {
         "tokens": tokens,
@@ -134,11 +149,11 @@ def main(argv=None) -> dict:
     else:
         target = HFLanguageModel.default(dtype=precision.dtype)
     distilled = distilled_draft(dtype=precision.dtype) if any("distilled" in label for label in labels) else None
-    items = json.loads(ITEMS.read_text())[: args.items]
+    items = load_items(args.items)
     per_item = []
     for item in items:
         schema = item["schema"]
-        prompt = chat_prompt(target.tokenizer, REQUEST.format(schema=json.dumps(schema, separators=(",", ":")), document=item["document"]))
+        prompt = chat_prompt(target.tokenizer, request_text(item))
         runs = {}
         for label in labels:
             method, draft_spec, particles = ROWS[label]

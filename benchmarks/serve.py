@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import dataclasses
 import json
 import os
 import pathlib
@@ -39,15 +40,76 @@ import sys
 import threading
 import time
 import urllib.request
+from collections.abc import Callable
 
+import extraction
 from _common import RESULTS, emit, environment
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 PROMPTS = (ROOT / "benchmarks" / "prompts" / "heldout.txt").read_text().splitlines()
 MODEL = "SmolLM2-135M-Instruct"
 START_SECONDS = 600
-#: the two smc-sd methods measured: (label, body fields)
+#: the longest a request may take before its row fails (the load loops are bounded in count and time)
+REQUEST_SECONDS = 1800
+#: the chat workload's smc-sd methods: (label, body fields)
 METHODS = (("ar", {"method": "ar"}), ("smc-sd", {"method": "smc-sd", "particles": 4, "draft_len": 4}))
+#: the extraction workload's methods on the hf backend (the first two also on --backend vllm)
+EXTRACTION_METHODS = (
+    ("ar", {"method": "ar"}),
+    ("mask-at-verify free", {"method": "mask-at-verify", "draft": "free"}),
+    ("smc-sd free", {"method": "smc-sd", "particles": 4, "draft": "free"}),
+)
+#: the servers' labels in the rows
+SMC_SD, VLLM, SMC_SD_ON_VLLM = "smc-sd", "vllm", "smc-sd --backend vllm"
+#: the extraction goals, (method, ratio at least): output tokens/s at the top concurrency over vLLM's
+#: for the first two, smc-sd serve --backend vllm's at the top concurrency over its own at 1 for the third
+GOALS = (("mask-at-verify free", 1.2), ("smc-sd free", 0.5), ("mask-at-verify free", 3.0))
+
+
+@dataclasses.dataclass(frozen=True)
+class Ask:
+    """One request of a workload: its chat messages and, for a structured output, the schema
+    sent as `response_format` and checked on the answer."""
+
+    messages: list[dict]
+    schema: dict | None = None
+    name: str = "answer"
+
+    def body(self) -> dict:
+        """The keyword arguments that differ per request (the schema's `response_format`)."""
+        if self.schema is None:
+            return {}
+        return {"response_format": {"type": "json_schema", "json_schema": {"name": self.name, "schema": self.schema}}}
+
+
+def chat_asks(count: int) -> list[Ask]:
+    """`count` chat requests, benchmarks/prompts/heldout.txt in turn."""
+    return [Ask([{"role": "user", "content": PROMPTS[i % len(PROMPTS)]}]) for i in range(count)]
+
+
+def extraction_asks(count: int) -> list[Ask]:
+    """`count` extraction requests: the items of benchmarks/extraction.py in turn, each its request
+    text (the schema, then the document) with its schema as `response_format`."""
+    items = extraction.load_items()
+    return [Ask([{"role": "user", "content": extraction.request_text(item)}], item["schema"], item["name"])
+            for item in (items[i % len(items)] for i in range(count))]
+
+
+@dataclasses.dataclass(frozen=True)
+class Workload:
+    """What a run sends, and its defaults (flags override them)."""
+
+    asks: Callable[[int], list[Ask]]
+    temperature: float
+    max_tokens: int
+    concurrency: str
+
+
+WORKLOADS = {
+    "chat": Workload(chat_asks, temperature=1.0, max_tokens=64, concurrency="1,4,16"),
+    # extraction.py's own temperature and budget
+    "extraction": Workload(extraction_asks, temperature=0.3, max_tokens=256, concurrency="1,16"),
+}
 
 
 def free_port() -> int:
@@ -78,11 +140,9 @@ class Process:
             self.process.wait(60)
 
 
-def start_smc_sd(dtype: str, env: dict, backend: str = "hf", target: str | None = None) -> tuple[Process, str]:
-    """`smc-sd serve --port 0` and its API base URL (read from its start line)."""
-    model = ["--dtype", dtype] if backend == "hf" else ["--backend", backend, "--draft", "free"]
-    model += ["--target", target] if target else []
-    server = Process([sys.executable, "-m", "smc_sd.cli", "serve", "--port", "0", "--max-running", "16", *model], env)
+def start_smc_sd(python: str, flags: list[str], env: dict) -> tuple[Process, str]:
+    """`smc-sd serve --port 0 FLAGS` run by `python`, and its API base URL (read from its start line)."""
+    server = Process([python, "-m", "smc_sd.cli", "serve", "--port", "0", "--max-running", "16", *flags], env)
     deadline = time.monotonic() + START_SECONDS
     while time.monotonic() < deadline and server.process.poll() is None:
         found = [m.group(1) for line in server.lines if (m := re.search(r" on (http://\S+/v1)$", line))]
@@ -92,19 +152,24 @@ def start_smc_sd(dtype: str, env: dict, backend: str = "hf", target: str | None 
     raise server.failed("smc-sd serve did not start")
 
 
+def vllm_env(env: dict) -> dict:
+    """vLLM's CPU worker on OMP_NUM_THREADS threads without pinning cores, 1 GiB of KV cache."""
+    return env | {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
+
+
 def start_vllm(python: str, dtype: str, env: dict) -> tuple[Process, str]:
     """vLLM's OpenAI server (what `vllm serve` runs) on the converted default model, on a free
     port, once /health answers. It starts as a module: vllm-cpu's `vllm` script looks up the
-    distribution "vllm" and fails under the name "vllm-cpu"."""
+    distribution "vllm" and fails under the name "vllm-cpu". A `response_format` takes its
+    structured outputs (its default backend)."""
     from smc_sd.models.smollm2 import default_model_dir
 
     port = free_port()
-    env = env | {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
     server = Process([python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(default_model_dir()),
                       "--served-model-name", MODEL, "--host", "127.0.0.1", "--port", str(port), "--dtype", dtype,
                       "--enforce-eager", "--max-model-len", "2048", "--block-size", "32",
                       # sampling as the request says, not the model's generation_config defaults
-                      "--generation-config", "vllm", "--max-num-seqs", "16"], env)
+                      "--generation-config", "vllm", "--max-num-seqs", "16"], vllm_env(env))
     deadline = time.monotonic() + START_SECONDS
     while time.monotonic() < deadline and server.process.poll() is None:
         try:
@@ -122,40 +187,51 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[max(0, min(len(ordered) - 1, int(-(-q * len(ordered) // 1)) - 1))]
 
 
-def measure(url: str, fields: dict, concurrency: int, requests: int, max_tokens: int) -> dict:
-    """One row: `requests` chat requests through `concurrency` client threads."""
+def measure(url: str, fields: dict, asks: list[Ask], concurrency: int, max_tokens: int, temperature: float) -> dict:
+    """One row: the requests `asks` (request i with seed i) through `concurrency` client threads;
+    with schemas, `valid_fraction` is the share of answers that parse and validate."""
     import openai
 
-    client = openai.OpenAI(base_url=url, api_key="none", max_retries=0, timeout=3600)
+    client = openai.OpenAI(base_url=url, api_key="none", max_retries=0, timeout=REQUEST_SECONDS)
 
-    def ask(i: int) -> tuple[float, int]:
+    def ask(i: int) -> tuple[float, int, bool | None]:
         started = time.perf_counter()
         answer = client.chat.completions.create(
-            model=MODEL, messages=[{"role": "user", "content": PROMPTS[i % len(PROMPTS)]}], max_tokens=max_tokens,
-            temperature=1.0, top_p=1.0, seed=i, extra_body=fields)
-        return time.perf_counter() - started, answer.usage.completion_tokens
+            model=MODEL, messages=asks[i].messages, max_tokens=max_tokens, temperature=temperature, top_p=1.0, seed=i,
+            extra_body=fields, **asks[i].body())
+        seconds = time.perf_counter() - started
+        schema = asks[i].schema
+        return seconds, answer.usage.completion_tokens, None if schema is None else extraction.is_valid(answer.choices[0].message.content, schema)
 
     started = time.perf_counter()
     with concurrent.futures.ThreadPoolExecutor(concurrency) as pool:
-        done = list(pool.map(ask, range(requests)))
+        done = list(pool.map(ask, range(len(asks))))
     wall = time.perf_counter() - started
-    latencies, tokens = [d[0] for d in done], sum(d[1] for d in done)
-    return {"concurrency": concurrency, "requests": requests, "output_tokens": tokens, "seconds": wall,
-            "requests_per_second": requests / wall, "output_tokens_per_second": tokens / wall,
-            "latency_p50": percentile(latencies, 0.5), "latency_p99": percentile(latencies, 0.99)}
+    latencies, tokens, valid = [d[0] for d in done], sum(d[1] for d in done), [d[2] for d in done if d[2] is not None]
+    row = {"concurrency": concurrency, "requests": len(asks), "output_tokens": tokens, "seconds": wall,
+           "requests_per_second": len(asks) / wall, "output_tokens_per_second": tokens / wall,
+           "latency_p50": percentile(latencies, 0.5), "latency_p99": percentile(latencies, 0.99)}
+    return row | ({"valid_fraction": sum(valid) / len(valid)} if valid else {})
 
 
-def run_rows(url: str, server: str, methods, concurrencies: list[int], args) -> list[dict]:
+def run_rows(start, server: str, methods, concurrencies: list[int], asks: list[Ask], args) -> list[dict]:
+    """Start a server (`start()` -> (Process, url)), measure each method at each concurrency on
+    it, stop it by its handle."""
+    process, url = start()
     rows = []
-    for label, fields in methods:
-        # one untimed request: first-use costs (constraint tokenizer, allocator warm-up) stay out of the rows
-        measure(url, fields, 1, 1, 8)
-        for concurrency in concurrencies:
-            row = {"server": server, "method": label, **measure(url, fields, concurrency, args.requests, args.max_tokens)}
-            print(f"{server:7s} {label:7s} C={concurrency:<3d} {row['output_tokens_per_second']:7.2f} tok/s "
-                  f"{row['requests_per_second']:6.3f} req/s p50 {row['latency_p50']:6.2f} s p99 {row['latency_p99']:6.2f} s",
-                  file=sys.stderr, flush=True)
-            rows.append(row)
+    try:
+        for label, fields in methods:
+            # one untimed request: first-use costs (constraint tokenizer, allocator warm-up) stay out of the rows
+            measure(url, fields, asks[:1], 1, 8, args.temperature)
+            for concurrency in concurrencies:
+                row = {"server": server, "method": label, **measure(url, fields, asks, concurrency, args.max_tokens, args.temperature)}
+                valid = f" valid {row['valid_fraction']:.2f}" if "valid_fraction" in row else ""
+                print(f"{server:21s} {label:19s} C={concurrency:<3d} {row['output_tokens_per_second']:7.2f} tok/s "
+                      f"{row['requests_per_second']:6.3f} req/s p50 {row['latency_p50']:6.2f} s p99 {row['latency_p99']:6.2f} s{valid}",
+                      file=sys.stderr, flush=True)
+                rows.append(row)
+    finally:
+        process.stop()
     return rows
 
 
@@ -164,60 +240,116 @@ def rate(rows: list[dict], server: str, method: str, concurrency: int) -> float 
     return found[0] if found else None
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--requests", type=int, default=16)
-    parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument("--concurrency", default="1,4,16", help="comma-separated client thread counts")
-    parser.add_argument("--threads", type=int, default=1, help="torch/OpenMP threads of each server")
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="both servers' weights and activations")
-    parser.add_argument("--vllm", default=str(ROOT / ".venv-vllm" / "bin" / "python"), help="the python of the vLLM environment")
-    parser.add_argument("--no-vllm", action="store_true", help="skip the vLLM anchor")
-    parser.add_argument("--backend", default="hf", choices=["hf", "llama-cpp"], help="smc-sd serve's backend (llama-cpp: ar only)")
-    parser.add_argument("--target", default=None, help="llama-cpp: a GGUF file to serve instead of the shipped one")
-    parser.add_argument("--json", action="store_true", help="print the JSON object (always written to results/serve[_DTYPE].json)")
-    args = parser.parse_args()
-    concurrencies = [int(c) for c in args.concurrency.split(",")]
-    env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS=str(args.threads))
-    if not args.no_vllm and not pathlib.Path(args.vllm).is_file():
-        parser.error(f"--vllm {args.vllm}: no such file (install vLLM as docs/vllm.md says, or pass --no-vllm)")
+def ratio(numerator: float | None, denominator: float | None) -> float | None:
+    return None if numerator is None or not denominator else numerator / denominator
 
+
+def run_chat(args, env: dict, concurrencies: list[int]) -> tuple[str, dict, str]:
+    """The chat workload: smc-sd serve's ar and smc-sd (N = 4, K = 4, the default draft), or ar
+    alone on llama-cpp, then vLLM's ar; (results name, data, a one-line summary)."""
     methods = METHODS if args.backend == "hf" else METHODS[:1]
-    if args.target is not None and args.backend == "hf":
-        parser.error("--target: a GGUF file for --backend llama-cpp")
-    server, url = start_smc_sd(args.dtype, env, args.backend, args.target)
-    try:
-        rows = run_rows(url, "smc-sd", methods, concurrencies, args)
-    finally:
-        server.stop()
+    flags = ["--dtype", args.dtype] if args.backend == "hf" else ["--backend", args.backend, "--draft", "free"]
+    flags += ["--target", args.target] if args.target else []
+    asks = chat_asks(args.requests)
+    rows = run_rows(lambda: start_smc_sd(sys.executable, flags, env), SMC_SD, methods, concurrencies, asks, args)
     if not args.no_vllm:
-        server, url = start_vllm(args.vllm, args.dtype, env)
-        try:
-            rows += run_rows(url, "vllm", [("ar", {})], concurrencies, args)
-        finally:
-            server.stop()
+        rows += run_rows(lambda: start_vllm(args.vllm, args.dtype, env), VLLM, [("ar", {})], concurrencies, asks, args)
 
     top, one = max(concurrencies), min(concurrencies)
-    speedup = {method: rate(rows, "smc-sd", method, top) / rate(rows, "smc-sd", method, one) for method, _ in methods}
-    vllm_top = rate(rows, "vllm", "ar", top)
     data = {
         "environment": environment() | {"server_threads": args.threads, "dtype": args.dtype, "backend": args.backend, "target": args.target},
-        "settings": {"requests": args.requests, "max_tokens": args.max_tokens, "concurrency": concurrencies,
-                     "methods": {label: fields for label, fields in methods}, "draft": "the default draft (self)" if args.backend == "hf" else None},
+        "settings": {"workload": "chat", "requests": args.requests, "max_tokens": args.max_tokens, "temperature": args.temperature,
+                     "concurrency": concurrencies, "methods": {label: fields for label, fields in methods},
+                     "draft": "the default draft (self)" if args.backend == "hf" else None},
         "rows": rows,
-        f"speedup_c{top}": speedup,
-        f"vs_vllm_c{top}": None if vllm_top is None else rate(rows, "smc-sd", "ar", top) / vllm_top,
+        f"speedup_c{top}": {method: ratio(rate(rows, SMC_SD, method, top), rate(rows, SMC_SD, method, one)) for method, _ in methods},
+        f"vs_vllm_c{top}": ratio(rate(rows, SMC_SD, "ar", top), rate(rows, VLLM, "ar", top)),
     }
     # a bfloat16 run writes its own file, beside the float32 one
     name = f"serve_{args.backend}" if args.backend != "hf" else "serve" if args.dtype == "float32" else f"serve_{args.dtype}"
+    ratios = " ".join(f"{method} {value:.2f}x" for method, value in data[f"speedup_c{top}"].items())
+    anchor = "n/a" if data[f"vs_vllm_c{top}"] is None else f"{data[f'vs_vllm_c{top}']:.2f}x"
+    return name, data, f"speedup_c{top}: {ratios}; vs_vllm_c{top} (ar): {anchor}"
+
+
+def run_extraction(args, env: dict, concurrencies: list[int]) -> tuple[str, dict, str]:
+    """The extraction workload: smc-sd serve on hf (ar, mask-at-verify and smc-sd N = 4 with the
+    free draft), vLLM's own server (ar with its structured outputs), smc-sd serve --backend vllm
+    (ar, mask-at-verify free); (results name, data, a one-line summary)."""
+    load_before = os.getloadavg()[0]
+    asks = extraction_asks(args.requests)
+    free = ["--dtype", args.dtype, "--draft", "free"]
+    rows = run_rows(lambda: start_smc_sd(sys.executable, free, env), SMC_SD, EXTRACTION_METHODS, concurrencies, asks, args)
+    if not args.no_vllm:
+        rows += run_rows(lambda: start_vllm(args.vllm, args.dtype, env), VLLM, [("ar", {})], concurrencies, asks, args)
+        rows += run_rows(lambda: start_smc_sd(args.vllm, ["--backend", "vllm", *free], vllm_env(env)), SMC_SD_ON_VLLM,
+                         EXTRACTION_METHODS[:2], concurrencies, asks, args)
+
+    top, one = max(concurrencies), min(concurrencies)
+    vs_vllm, over_one = f"vs_vllm_c{top}", f"vllm_backend_c{top}_over_c{one}"
+    ratios = {
+        vs_vllm: {label: ratio(rate(rows, SMC_SD, label, top), rate(rows, VLLM, "ar", top)) for label, _ in EXTRACTION_METHODS[1:]},
+        over_one: {label: ratio(rate(rows, SMC_SD_ON_VLLM, label, top), rate(rows, SMC_SD_ON_VLLM, label, one))
+                   for label, _ in EXTRACTION_METHODS[:2]},
+    }
+    goals = [{"ratio": name, "method": label, "goal": goal, "measured": ratios[name][label],
+              "met": None if ratios[name][label] is None else ratios[name][label] >= goal}
+             for name, (label, goal) in zip([vs_vllm, vs_vllm, over_one], GOALS)]
+    data = {
+        "environment": environment() | {"server_threads": args.threads, "dtype": args.dtype, "load_average_at_start": load_before},
+        "settings": {"workload": "extraction", "requests": args.requests, "items": sorted({a.name for a in asks}),
+                     "max_tokens": args.max_tokens, "temperature": args.temperature, "concurrency": concurrencies,
+                     "methods": dict(EXTRACTION_METHODS), "request": extraction.REQUEST,
+                     "layout": "smc-sd serve: compact (its default json_layout); vllm: its structured outputs' default"},
+        "extraction": {
+            **ratios,
+            "goals": goals,
+            "rows": rows,
+        },
+    }
+    summary = "; ".join(f"{g['ratio']} {g['method']}: {times(g['measured'])} (goal {g['goal']}x)" for g in goals)
+    return "serve_extraction", data, summary
+
+
+def times(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.2f}x"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--workload", default="chat", choices=sorted(WORKLOADS), help="chat (the default) or extraction (JSON schemas)")
+    parser.add_argument("--requests", type=int, default=16)
+    parser.add_argument("--max-tokens", type=int, default=None, help="per request (default: chat 64, extraction 256)")
+    parser.add_argument("--temperature", type=float, default=None, help="T of every request (default: chat 1, extraction 0.3)")
+    parser.add_argument("--concurrency", default=None, help="comma-separated client thread counts (default: chat 1,4,16, extraction 1,16)")
+    parser.add_argument("--threads", type=int, default=1, help="torch/OpenMP threads of each server")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="every server's weights and activations")
+    parser.add_argument("--vllm", default=str(ROOT / ".venv-vllm" / "bin" / "python"), help="the python of the vLLM environment")
+    parser.add_argument("--no-vllm", action="store_true", help="skip the vLLM anchor (and, for extraction, smc-sd serve --backend vllm)")
+    parser.add_argument("--backend", default="hf", choices=["hf", "llama-cpp"], help="chat: smc-sd serve's backend (llama-cpp: ar only)")
+    parser.add_argument("--target", default=None, help="llama-cpp: a GGUF file to serve instead of the shipped one")
+    parser.add_argument("--json", action="store_true", help="print the JSON object (always written to results/serve[_...].json)")
+    args = parser.parse_args()
+    workload = WORKLOADS[args.workload]
+    args.max_tokens = workload.max_tokens if args.max_tokens is None else args.max_tokens
+    args.temperature = workload.temperature if args.temperature is None else args.temperature
+    concurrencies = [int(c) for c in (args.concurrency or workload.concurrency).split(",")]
+    env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS=str(args.threads))
+    if not args.no_vllm and not pathlib.Path(args.vllm).is_file():
+        parser.error(f"--vllm {args.vllm}: no such file (install vLLM as docs/vllm.md says, or pass --no-vllm)")
+    if args.target is not None and args.backend == "hf":
+        parser.error("--target: a GGUF file for --backend llama-cpp")
+    if args.workload == "extraction" and args.backend != "hf":
+        parser.error("--workload extraction serves hf and vllm (with --backend hf, the default)")
+
+    run = run_chat if args.workload == "chat" else run_extraction
+    name, data, summary = run(args, env, concurrencies)
     if args.json:
         emit(name, data)
         return
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / f"{name}.json").write_text(json.dumps(data, indent=1) + "\n")
-    ratios = " ".join(f"{method} {value:.2f}x" for method, value in speedup.items())
-    anchor = "n/a" if data[f"vs_vllm_c{top}"] is None else f"{data[f'vs_vllm_c{top}']:.2f}x"
-    print(f"speedup_c{top}: {ratios}; vs_vllm_c{top} (ar): {anchor}; rows in benchmarks/results/{name}.json")
+    print(f"{summary}; rows in benchmarks/results/{name}.json")
 
 
 if __name__ == "__main__":

@@ -230,7 +230,6 @@ BAD_INPUT = [
     ({"messages": [{"role": "user", "content": "word " * 9000}]}, "messages", "context window"),
     ({"json_layout": "flexible"}, "json_layout", "applies to a JSON schema"),
     ({"json_layout": "pretty", "response_format": {"type": "json_object"}}, "json_layout", "must be one of compact, flexible"),
-    ({"stop": ["."], "structured_outputs": {"regex": "a+"}}, None, "stop strings cannot be combined with constraints"),
 ]
 
 
