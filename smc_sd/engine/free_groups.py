@@ -92,7 +92,7 @@ class FreeImportanceGroup(ImportanceGroup):
 
     def verify(self, target_logits: torch.Tensor) -> None:
         """Extension and its weights (`smc_free.extend_running`), block-end potentials and
-        twist on the extended particles, then ESS and resampling (`resample_on_ess`).
+        twist on the extended particles, then ESS and resampling (`ImportanceGroup.end_cycle`).
 
         Args:
             target_logits: [U, width, V] float32, the target's logits over the distinct rows.
@@ -115,7 +115,7 @@ class FreeImportanceGroup(ImportanceGroup):
         self.tokens_out += sum(added)
         self.accepted += sum(accepted)
         self.drafted += cycle.proposed
-        self.resample_on_ess(tokens=max(added), rows=len(cycle.distinct), accepted=sum(accepted), proposed=cycle.proposed)
+        self.end_cycle(tokens=max(added), rows=len(cycle.distinct), accepted=sum(accepted), proposed=cycle.proposed)
         self._drop_ended_rows()
 
     # --- helpers -------------------------------------------------------------------------------

@@ -258,9 +258,9 @@ class ImportanceGroup(Group):
         table.draft_row[slots[advanced.finished]] = -1
         self.tokens_out += rows * tokens_this_cycle
         self.draft_passes += plan.draft_len
-        self.resample_on_ess(tokens=tokens_this_cycle, rows=rows)
+        self.end_cycle(tokens=tokens_this_cycle, rows=rows)
 
-    def resample_on_ess(self, **stats) -> None:
+    def end_cycle(self, **stats) -> None:
         """The end of every SMC cycle: the ESS of the stored weights, resampling when it falls
         below tau N (slot i takes its ancestor's state, log w = 0, log Z_hat += logsumexp(log w)
         - log N), and the cycle's CycleStats (`stats`: its other fields).
