@@ -21,8 +21,21 @@ copy of the default model; `--no-vllm` skips it.
 only vLLM's), or `--target FILE.gguf` (e.g. a Q8_0 copy), and measures ar alone (no draft model
 ships for that backend); it writes results/serve_llama-cpp.json.
 
-Usage: python benchmarks/serve.py [--requests 16] [--max-tokens 64] [--concurrency 1,4,16]
-       [--threads 1] [--dtype float32|bfloat16] [--backend hf|llama-cpp] [--vllm .venv-vllm/bin/python | --no-vllm] [--json]
+`--workload extraction` sends the items of benchmarks/extraction.py instead (request i: item i,
+its request text with its JSON schema as `response_format` {"type": "json_schema"}, seed i,
+T = 0.3, max_tokens 256) at C = 1 and 16, to three servers in turn, each on --threads threads and
+in --dtype: smc-sd serve on hf (`--draft free`; ar, mask-at-verify with "draft": "free", smc-sd
+with "particles": 4, "draft": "free"), vLLM's own server (ar under its structured outputs), and
+smc-sd serve --backend vllm run by the vLLM environment's python (ar, mask-at-verify free). Each
+row adds valid_fraction: the share of answers that parse as JSON and validate against their
+schema (jsonschema). The `extraction` object holds the rows, vs_vllm_c16 (output tokens/s of
+mask-at-verify free and smc-sd free at C = 16 over vLLM's at 16), vllm_backend_c16_over_c1 (the
+--backend vllm server's ar and mask-at-verify free at C = 16 over its own at C = 1) and the goals
+(>= 1.2x, >= 0.5x, >= 3x); it writes results/serve_extraction.json.
+
+Usage: python benchmarks/serve.py [--workload chat|extraction] [--requests 16] [--max-tokens 64]
+       [--temperature 1] [--concurrency 1,4,16] [--threads 1] [--dtype float32|bfloat16]
+       [--backend hf|llama-cpp] [--vllm .venv-vllm/bin/python | --no-vllm] [--json]
 """
 
 from __future__ import annotations

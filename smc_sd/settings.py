@@ -166,12 +166,6 @@ def free_draft_option(settings, accepted, method: str) -> dict:
         return {}
     if "free_draft" not in accepted:
         raise ValueError(f"{method} verifies no free draft; use sd or mask-at-verify with --draft {draft}")
-    # compile_program refuses it too, once the draft has loaded; said here before any load
-    if settings.method == "smc-sd" and parse_draft(draft).has_lm:
-        raise ValueError(
-            "smc-sd with a free draft extends particles by exact speculative sampling of the "
-            "locally masked target, with the free draft alone: use --draft free"
-        )
     if not parse_draft(draft).has_lm and settings.draft_len is not None:
         return {"free_draft": FreeDraft(max_len=settings.draft_len, cost_aware=False)}
     return {"free_draft": FreeDraft()}

@@ -339,7 +339,6 @@ def test_bad_requests_are_refused_before_they_join():
         (Request(PROMPT, program, Schedule(2), stop=("",)), ValueError, "non-empty"),
         (Request(PROMPT, program, Schedule(2, max_tokens=300)), ValueError, "context window"),
         (Request(PROMPT, program, Schedule(0)), ValueError, "particles must be >= 1"),
-        (Request(PROMPT, smc_speculative.program(target, draft, free_draft=FreeDraft()), Schedule(2)), ValueError, "with the free draft alone: use --draft free"),
     ]
     for request, error, message in cases:
         with pytest.raises(error, match=message):

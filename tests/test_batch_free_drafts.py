@@ -53,6 +53,8 @@ def free_and_other_requests(target, draft, count: int) -> list[Request]:
         (mask_at_verify.program(target, draft, draft_len=1, constraints=(constraint,)), Schedule(1, max_tokens=4)),
         (speculative.program(target, draft, draft_len=2, free_draft=LOOKUP), Schedule(1, max_tokens=9)),
         (mask_at_verify.program(target, draft, draft_len=3, constraints=(constraint,), free_draft=forced), Schedule(1, max_tokens=LANGUAGE_TOKENS)),
+        (smc_speculative.program(target, draft, draft_len=2, constraints=(constraint,), free_draft=forced), Schedule(5, ess_threshold=0.8, max_tokens=LANGUAGE_TOKENS)),
+        (smc_speculative.program(target, draft, draft_len=3, free_draft=LOOKUP), Schedule(4, max_tokens=8)),
     ]
     prompts = [REPEATING_PROMPT, WORDS_PROMPT, PROMPT, [2], [0, 1, 1, 2, 0, 1], [1, 2, 0, 1, 2, 0, 1, 2]]
     return [Request(prompts[i % len(prompts)], *menu[i % len(menu)], seed=i) for i in range(count)]
@@ -106,9 +108,9 @@ def test_copies_share_one_computed_row():
 
 
 def batched_runs(program, prompt: list[int], schedule: Schedule, n: int, max_running: int = 24):
-    """`batched_samples` with a draft near the program's target for the neighbours."""
-    target = program.target.lm
-    return batched_samples(target, ToyLM.perturbed(target, 1.0), program, prompt, schedule, n, max_running)
+    """`batched_samples` with the program's draft LM, or one near its target, for the neighbours."""
+    target, draft = program.target.lm, program.proposal.lm
+    return batched_samples(target, draft or ToyLM.perturbed(target, 1.0), program, prompt, schedule, n, max_running)
 
 
 def batched_samples(target, draft, program, prompt: list[int], schedule: Schedule, n: int, max_running: int = 24):
@@ -162,21 +164,14 @@ def test_batched_mask_at_verify_with_forced_tokens_samples_the_local_projection(
     assert total_variation(empirical([tuple(r.tokens) for r in results]), exact) < tv_tolerance(exact, n)
 
 
-def test_batched_smc_sd_with_a_free_draft_reaches_the_conditional():
-    assert_smc_sd_free_reaches_the_conditional(functools.partial(batched_runs, max_running=8))
+@pytest.mark.parametrize("with_lm", [False, True])
+def test_batched_smc_sd_with_a_free_draft_reaches_the_conditional(with_lm):
+    assert_smc_sd_free_reaches_the_conditional(functools.partial(batched_runs, max_running=8), with_lm)
 
 
-@pytest.mark.parametrize("ess_threshold", [1.0, 0.5])
-def test_batched_smc_sd_with_a_free_draft_has_an_unbiased_z_hat(ess_threshold):
-    assert_smc_sd_free_z_hat_is_unbiased(batched_runs, ess_threshold, n=2000)
-
-
-def test_smc_sd_with_a_free_draft_beside_a_draft_model_is_refused_with_one_line():
-    target, draft = target_and_draft()
-    engine = BatchEngine(target, draft)
-    program = smc_speculative.program(target, draft, draft_len=2, free_draft=LOOKUP)
-    with pytest.raises(ValueError, match=r"free\+NAME"):
-        engine.submit(Request(PROMPT, program, Schedule(2, max_tokens=4)))
+@pytest.mark.parametrize("ess_threshold, with_lm", [(1.0, False), (0.5, False), (0.5, True)])
+def test_batched_smc_sd_with_a_free_draft_has_an_unbiased_z_hat(ess_threshold, with_lm):
+    assert_smc_sd_free_z_hat_is_unbiased(batched_runs, ess_threshold, n=2000, with_lm=with_lm)
 
 
 def test_a_backend_with_rows_of_one_length_serves_sd_free_and_refuses_smc_sd_free_in_one_line():

@@ -98,7 +98,6 @@ BEFORE_LOADING = [
     (["--method", "ar", "--draft", "free"], "--method ar drafts nothing"),
     (["--draft", "free+"], "--draft free+NAME needs a draft after the '+'"),
     (["--method", "sd", "--draft", "free+{missing}"], "--draft {missing}: no such directory"),
-    (["--method", "smc-sd", "--draft", "free+self"], "with the free draft alone: use --draft free"),
     (["--method", "sd", "--regex", "a"], "--method sd takes no constraints"),
     (["--method", "smc-sd", "--particles", "0"], "particles must be >= 1"),
     (["--particles", "two"], "argument --particles: invalid int value"),

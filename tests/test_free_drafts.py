@@ -179,43 +179,58 @@ def test_smc_sd_with_a_free_draft_and_no_constraint_samples_the_target():
     assert total_variation(empirical(samples), exact) < tv_tolerance(exact, n)
 
 
-def test_smc_sd_with_a_free_draft_converges_to_the_conditional():
-    assert_smc_sd_free_reaches_the_conditional(runs_alone)
+def smc_sd_free(target, draft, constraint):
+    """SMC-SD with the lookup free draft under `constraint`, beside the draft LM `draft`
+    (free+NAME: its blocks in cycles where the free draft proposes nothing) or alone (None)."""
+    return smc_speculative.program(target, draft, draft_len=2, constraints=(constraint,), free_draft=LOOKUP)
 
 
-def assert_smc_sd_free_reaches_the_conditional(runs_of):
-    """One particle samples the local projection, sixteen the global conditional, in runs
-    made by `runs_of(program, prompt, schedule, n)`."""
-    target, _ = target_and_draft(noise=1.0)
+@pytest.mark.parametrize("with_lm", [False, True])
+def test_smc_sd_with_a_free_draft_converges_to_the_conditional(with_lm):
+    assert_smc_sd_free_reaches_the_conditional(runs_alone, with_lm)
+
+
+def assert_smc_sd_free_reaches_the_conditional(runs_of, with_lm: bool = False):
+    """One particle samples the local projection (free draft alone), sixteen the global
+    conditional, in runs made by `runs_of(program, prompt, schedule, n)`; with a draft LM
+    beside the free draft, sixteen reach the conditional and some cycles drafted with it."""
+    target, draft = target_and_draft(noise=1.0)
     constraint = language_constraint()
     exact, _ = target.completion_distribution(WORDS_PROMPT, LANGUAGE_TOKENS, constraint=constraint)
     local, _ = target.completion_distribution(WORDS_PROMPT, LANGUAGE_TOKENS, constraint=constraint, local=True)
     assert total_variation(local, exact) > 0.3
     runs = 400
-    program = smc_speculative.program(target, None, constraints=(constraint,), free_draft=LOOKUP)
+    tolerance = tv_tolerance(exact, runs)
+    if with_lm:
+        results = runs_of(smc_sd_free(target, draft, constraint), WORDS_PROMPT, Schedule(16, max_tokens=LANGUAGE_TOKENS), runs)
+        assert sum(r.draft_passes for r in results) > 0 and sum(c.proposed or 0 for r in results for c in r.cycles) > 0
+        samples = [tuple(r.tokens) for r in results]
+        assert all(in_language(x) for x in samples)
+        assert total_variation(empirical(samples), exact) < tolerance
+        return
+    program = smc_sd_free(target, None, constraint)
     samples = {}
     for n in (1, 16):
         samples[n], proposed, _ = run_all(program, WORDS_PROMPT, Schedule(n, max_tokens=LANGUAGE_TOKENS), runs, runs_of)
         assert proposed > 0
     assert all(in_language(x) for xs in samples.values() for x in xs)
-    tolerance = tv_tolerance(exact, runs)
     tv = {n: total_variation(empirical(xs), exact) for n, xs in samples.items()}
     # one particle samples the local projection; sixteen reach the conditional
     assert total_variation(empirical(samples[1]), local) < tv_tolerance(local, runs)
     assert tv[16] < tolerance and tv[1] > tv[16] + tolerance
 
 
-@pytest.mark.parametrize("ess_threshold", [1.0, 0.5])
-def test_smc_sd_with_a_free_draft_has_an_unbiased_z_hat(ess_threshold):
-    assert_smc_sd_free_z_hat_is_unbiased(runs_alone, ess_threshold)
+@pytest.mark.parametrize("ess_threshold, with_lm", [(1.0, False), (0.5, False), (0.5, True)])
+def test_smc_sd_with_a_free_draft_has_an_unbiased_z_hat(ess_threshold, with_lm):
+    assert_smc_sd_free_z_hat_is_unbiased(runs_alone, ess_threshold, with_lm=with_lm)
 
 
-def assert_smc_sd_free_z_hat_is_unbiased(runs_of, ess_threshold: float, n: int = 3000):
+def assert_smc_sd_free_z_hat_is_unbiased(runs_of, ess_threshold: float, n: int = 3000, with_lm: bool = False):
     """The mean of n runs' Z_hat (made by `runs_of`) lies within 5 standard errors of Z."""
-    target, _ = target_and_draft(noise=1.0)
+    target, draft = target_and_draft(noise=1.0)
     constraint = language_constraint()
     _, log_z = target.completion_distribution(WORDS_PROMPT, LANGUAGE_TOKENS, constraint=constraint)
-    program = smc_speculative.program(target, None, constraints=(constraint,), free_draft=LOOKUP)
+    program = smc_sd_free(target, draft if with_lm else None, constraint)
     schedule = Schedule(particles=4, ess_threshold=ess_threshold, max_tokens=LANGUAGE_TOKENS)
     z_hats = [math.exp(r.log_ml) for r in runs_of(program, WORDS_PROMPT, schedule, n)]
     mean = sum(z_hats) / len(z_hats)

@@ -109,12 +109,6 @@ def check_settings(program, schedule) -> None:
             _require(free.max_len >= 1, f"a free draft's block length must be >= 1, got {free.max_len}")
             _require(free.min_match >= 1, f"a free draft's lookup match must be >= 1 token, got {free.min_match}")
             _require(free.forced or free.lookup, "a free draft needs at least one source (forced tokens or lookup)")
-            if program.verification == "importance":
-                _require(
-                    proposal.lm is None,
-                    "smc-sd with a free draft extends particles by exact speculative sampling of the "
-                    "locally masked target, with the free draft alone: use --draft free",
-                )
         _require(proposal.draft_len >= 1, f"draft length K must be >= 1, got {proposal.draft_len}")
         _require(0 <= proposal.temperature < math.inf, f"draft temperature must be >= 0 and finite, got {proposal.temperature}")
         _require(

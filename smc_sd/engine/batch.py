@@ -258,8 +258,6 @@ class BatchEngine:
         if program.target.lm is not self.target:
             raise ValueError("the request's target model is not the engine's target")
         proposal = program.proposal
-        if proposal is not None and proposal.free is not None and proposal.lm is not None and program.verification == "importance":
-            raise ValueError("smc-sd with a free draft beside a draft model (free+NAME) does not run in the batched engine; use the free draft alone")
         if proposal is not None and proposal.lm is not None and all(proposal.lm is not rows.lm for rows in self.draft_sets):
             raise ValueError("the request's draft model is not one of the engine's drafts")
         if proposal is not None and proposal.free is not None and program.verification == "importance" and schedule.particles > 1 and not self._keeps_ragged_rows():
@@ -386,7 +384,7 @@ class BatchEngine:
         feeds = [g.draft_feed() if ok and rows is not None else None for g, ok, rows in zip(groups, healthy, rows_of)]
         if all(f is None for f in feeds):
             return
-        width = max(f.shape[1] for f in feeds if f is not None)
+        width = max(tokens.shape[1] for tokens, _ in filter(None, feeds))
         # [B_d, width]: the tokens every drafting row has not read (the last two of its prefix,
         # more after free-draft blocks), then EOS filler (all filler on other rows)
         feed = torch.full((draft.size, width), eos, dtype=torch.int64)
@@ -394,8 +392,9 @@ class BatchEngine:
         last = torch.full((draft.size,), width - 1, dtype=torch.int64)
         for f, rows in zip(feeds, rows_of):
             if f is not None:
-                feed[rows, : f.shape[1]] = f
-                last[rows] = f.shape[1] - 1
+                tokens, counts = f
+                feed[rows, : tokens.shape[1]] = tokens
+                last[rows] = counts - 1
         lengths = draft.rows.lengths + last + 1
         for j in range(k_max):
             # [B_d, V]: the draft's logits after each row's last fed token

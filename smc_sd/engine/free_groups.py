@@ -12,17 +12,28 @@ and a row holds its prompt and its generated tokens but the last. Particles hold
 (copies made by resampling) hold one row between cycles (`seats`): one computed row feeds them
 all, and the reseat after the pass copies it (block pointers) for each particle at its own length.
 
-Dimension letters: N particles, U distinct running ones, V vocabulary.
+With a draft LM beside the free draft (free+NAME), a cycle in which the free draft proposes
+nothing for any running particle is an SMC-SD cycle with the draft LM instead: every running
+particle drafts K tokens from q, the target verifies them and draws the bonus, and the weight
+gains sum_k [alpha log p_T(x_k) - log q~(x_k)] + log Z (`smc_sd.engine.smc.verify_block`). The
+kernel of a cycle is chosen from the particles before it, so each particle's weight is still
+the target over the law of its extension, and SMC's laws hold (log Z_hat unbiased). Every
+particle then holds its own rows (copies draft apart), and its draft row, which reads nothing
+in free cycles, catches up on the tokens it has not read (`SlotTable.draft_length`).
+
+Dimension letters: N particles, U distinct running ones (A running ones with a draft LM), K the
+draft LM's block, V vocabulary.
 """
 
 from __future__ import annotations
 
 import torch
 
+from smc_sd.engine.drafting import BlockDrafter, block_masks, trim_at_eos
 from smc_sd.engine.free_drafts import FreeDrafter
 from smc_sd.engine.groups import ImportanceGroup, first_stop
 from smc_sd.engine.slots import SlotTable
-from smc_sd.engine.smc import rescore_block_end
+from smc_sd.engine.smc import rescore_block_end, verify_block
 from smc_sd.engine.smc_free import distinct_rows, extend_running, propose_distinct, running_particles
 
 
@@ -39,6 +50,8 @@ class FreeImportanceGroup(ImportanceGroup):
         super().__init__(request, plan, table)
         self.free_drafter = FreeDrafter.for_plan(plan, self.prompt)
         self.cycle = None
+        #: whether this cycle's blocks are the draft LM's (free+NAME, the free draft proposed nothing)
+        self.lm_cycle = False
 
     # --- the particles' state, read from the slot table ---------------------------------------
 
@@ -56,7 +69,10 @@ class FreeImportanceGroup(ImportanceGroup):
         return self.slots[self.running()]
 
     def seats(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Running particles holding equal tokens share one row (`Group.seats`)."""
+        """Running particles holding equal tokens share one row (`Group.seats`); with a draft
+        LM every running particle holds its own (copies draft different blocks)."""
+        if self.has_draft:
+            return super().seats()
         running = self.running()
         distinct, copy_of = distinct_rows(self.tokens(), running)
         live = self.slots[running]
@@ -73,26 +89,59 @@ class FreeImportanceGroup(ImportanceGroup):
     # --- one cycle -----------------------------------------------------------------------------
 
     def begin(self, first_logits: torch.Tensor, target_base: int, draft_base: int) -> None:
-        """`ImportanceGroup.begin`; particles of weight zero hold no rows."""
+        """`ImportanceGroup.begin`; particles of weight zero hold no rows; a draft row holds
+        all of prompt + first token but the last two."""
         super().begin(first_logits, target_base, draft_base)
+        self.table.draft_length[self.slots] = len(self.prompt) - 1
         self._drop_ended_rows()
 
     def prepare(self) -> None:
-        """The cycle's proposals, one per distinct running particle."""
-        self.cycle = propose_distinct(self.plan, self.free_drafter, self.tokens(), self.running())
+        """The cycle's proposals, one per distinct running particle; with a draft LM and no
+        proposal at all, the draft LM's sampler and masks instead."""
+        plan, tokens, running = self.plan, self.tokens(), self.running()
+        self.cycle = propose_distinct(plan, self.free_drafter, tokens, running, share=not self.has_draft)
+        self.lm_cycle = self.has_draft and self.cycle.proposed == 0
+        if self.lm_cycle:
+            alive = torch.ones(len(running), dtype=torch.bool)
+            self.mask_at = None if plan.masker is None else block_masks(plan.masker, [tokens[i] for i in running], alive, self.eos)
+            self.drafter = BlockDrafter(len(running), plan.draft_temperature, self.generator, self.mask_at)
+
+    @property
+    def draft_len(self) -> int:
+        """K this cycle: the draft LM's in its cycles, else 0."""
+        return self.plan.draft_len if self.lm_cycle else 0
+
+    def draft_feed(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each running particle's prompt + tokens its draft row has not read (at least its
+        last two; more after free cycles), EOS filler after them (`Group.draft_feed`)."""
+        tokens, running = self.tokens(), self.running()
+        held = self.table.draft_length[self.slots[running]].tolist()
+        unread = [(self.prompt + tokens[i])[h:] for i, h in zip(running, held)]
+        width = max(len(u) for u in unread)
+        return torch.tensor([u + [self.eos] * (width - len(u)) for u in unread]), torch.tensor([len(u) for u in unread])
+
+    def draft_lengths(self, seated: torch.Tensor) -> torch.Tensor:
+        return self.table.draft_length[seated]
 
     def target_width(self) -> int:
-        return self.cycle.width
+        return self.plan.draft_len + 1 if self.lm_cycle else self.cycle.width
 
     def target_feed(self, width: int) -> torch.Tensor:
-        """[U, width] int64: each distinct row's unseen last token, its proposal, EOS filler."""
-        feed = self.cycle.feed(self.tokens(), self.eos)
+        """[U, width] int64: each distinct row's unseen last token, its proposal (or the draft
+        LM's block), EOS filler."""
+        if self.lm_cycle:
+            live = self.live()
+            last = self.table.tokens[live, self.table.length[live] - 1][:, None]
+            feed = torch.cat([last, self.drafter.block(self.plan.target.vocabulary.size).tokens], 1)
+        else:
+            feed = self.cycle.feed(self.tokens(), self.eos)
         filler = torch.full((feed.shape[0], width - feed.shape[1]), self.eos, dtype=torch.int64)
         return torch.cat([feed, filler], 1)
 
     def verify(self, target_logits: torch.Tensor) -> None:
-        """Extension and its weights (`smc_free.extend_running`), block-end potentials and
-        twist on the extended particles, then ESS and resampling (`ImportanceGroup.end_cycle`).
+        """Extension and its weights (`smc_free.extend_running`, or the draft LM's block in its
+        cycles), block-end potentials and twist on the extended particles, then ESS and
+        resampling (`ImportanceGroup.end_cycle`).
 
         Args:
             target_logits: [U, width, V] float32, the target's logits over the distinct rows.
@@ -100,6 +149,9 @@ class FreeImportanceGroup(ImportanceGroup):
         Raises:
             AllParticlesDiedError: when every weight reaches zero.
         """
+        if self.lm_cycle:
+            self._verify_drafted(target_logits)
+            return
         plan, cycle, table, slots = self.plan, self.cycle, self.table, self.slots
         tokens, logw = self.tokens(), table.logw[slots].clone()
         stopped = table.stopped[slots].tolist()
@@ -108,15 +160,45 @@ class FreeImportanceGroup(ImportanceGroup):
         for i, stop in zip(cycle.running, stops):
             stopped[i] = stop
         self._store(tokens, logw, stopped)
-        fresh = torch.zeros(plan.particles, dtype=torch.bool)
-        fresh[cycle.running] = True
-        scored = rescore_block_end(plan, table.particles(slots, self.generated), fresh)
-        table.logw[slots], table.log_twist[slots], table.log_phi[slots] = scored.logw, scored.log_twist, scored.log_phi
+        self._rescore(cycle.running)
         self.tokens_out += sum(added)
         self.accepted += sum(accepted)
         self.drafted += cycle.proposed
         self.end_cycle(tokens=max(added), rows=len(cycle.distinct), accepted=sum(accepted), proposed=cycle.proposed)
         self._drop_ended_rows()
+
+    def _verify_drafted(self, target_logits: torch.Tensor) -> None:
+        """A cycle of the draft LM's blocks: `verify_block`'s tokens and increments, each
+        particle keeping its block up to its EOS, stop string or budget (the increments of the
+        columns it keeps); its draft row then holds all but its last two tokens."""
+        plan, table, slots = self.plan, self.table, self.slots
+        running, tokens, logw = self.running(), self.tokens(), table.logw[slots].clone()
+        stopped = table.stopped[slots].tolist()
+        block, increments = verify_block(plan, target_logits, self.drafter.block(target_logits.shape[-1]), self.mask_at, self.generator)
+        added = []
+        for a, i in enumerate(running):
+            new = trim_at_eos(block[a].tolist(), self.eos)[: plan.max_tokens - len(tokens[i])]
+            column = self._stop_at(tokens[i], new) if self.request.stop else None
+            if column is not None:
+                new, stopped[i] = new[: column + 1], True
+            logw[i] += float(increments[a, : len(new)].sum())
+            tokens[i] += new
+            added.append(len(new))
+        self._store(tokens, logw, stopped)
+        table.draft_length[slots[running]] = torch.tensor([len(self.prompt) + len(tokens[i]) - 2 for i in running])
+        self._rescore(running)
+        self.tokens_out += sum(added)
+        self.draft_passes += plan.draft_len
+        self.end_cycle(tokens=max(added), rows=len(running))
+        self._drop_ended_rows()
+
+    def _rescore(self, extended: list[int]) -> None:
+        """Block-end potentials and twist on the particles just extended (`rescore_block_end`)."""
+        plan, table, slots = self.plan, self.table, self.slots
+        fresh = torch.zeros(plan.particles, dtype=torch.bool)
+        fresh[extended] = True
+        scored = rescore_block_end(plan, table.particles(slots, self.generated), fresh)
+        table.logw[slots], table.log_twist[slots], table.log_phi[slots] = scored.logw, scored.log_twist, scored.log_phi
 
     # --- helpers -------------------------------------------------------------------------------
 
@@ -138,6 +220,7 @@ class FreeImportanceGroup(ImportanceGroup):
         running = torch.zeros(self.plan.particles, dtype=torch.bool)
         running[self.running()] = True
         self.table.target_row[self.slots[~running]] = -1
+        self.table.draft_row[self.slots[~running]] = -1
 
     def _stop_at(self, prefix: list[int], new: list[int]) -> int | None:
         """The index of the new token completing a stop string (its EOS aside), or None."""

@@ -121,13 +121,14 @@ class Group:
         """Tokens each of the group's target rows reads this cycle: the last token and the block."""
         return self.draft_len + 1
 
-    def draft_feed(self) -> torch.Tensor:
-        """[A, n] int64: the tokens of each unfinished particle's prompt + tokens its draft row
-        has not read (here its last two, n = 2)."""
+    def draft_feed(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The tokens of each unfinished particle's prompt + tokens its draft row has not read:
+        ([A, n] int64, row a's first counts[a] of them then EOS filler; [A] int64 counts). Here
+        every row's last two (n = 2)."""
         tokens = self.table.tokens[self.live(), : self.generated]
-        if self.generated >= 2:
-            return tokens[:, -2:]
-        return torch.cat([torch.full_like(tokens, self.prompt[-1]), tokens], 1)
+        if self.generated < 2:
+            tokens = torch.cat([torch.full_like(tokens, self.prompt[-1]), tokens], 1)
+        return tokens[:, -2:], torch.full((tokens.shape[0],), 2, dtype=torch.int64)
 
     def draft_lengths(self, seated: torch.Tensor) -> torch.Tensor:
         """[U] int64: the tokens the seated particles' draft rows hold between cycles: the
@@ -376,10 +377,10 @@ class SpeculativeGroup(Group):
     def target_width(self) -> int:
         return 1 + (self.fixed_block.tokens.shape[1] if self.fixed_block is not None else self.plan.draft_len)
 
-    def draft_feed(self) -> torch.Tensor:
-        """[1, n] int64: the tokens of prompt + generated the draft row has not read (n >= 2)."""
+    def draft_feed(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """([1, n] int64, [1]: n): the tokens of prompt + generated the draft row has not read (n >= 2)."""
         unread = (self.prompt + self.tokens)[self.draft_read :]
-        return torch.tensor([unread])
+        return torch.tensor([unread]), torch.tensor([len(unread)])
 
     def draft_lengths(self, seated: torch.Tensor) -> torch.Tensor:
         """[1] int64: what the draft row holds between cycles: all but the last two tokens, or

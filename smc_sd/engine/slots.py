@@ -20,6 +20,7 @@ Per slot:
 | log_phi    | [M] float64      | the block-end potentials inside logw                            |
 | target_row | [M] int64        | the row holding the particle in the target's rows, -1 for none  |
 | draft_row  | [M] int64        | the same in the draft's rows                                    |
+| draft_length | [M] int64      | tokens of prompt + generated its draft row holds between cycles (kept where they vary: SMC-SD with free+NAME) |
 
 Invariants (`check_invariants`): the free list holds each slot at most once, exactly the slots
 no request holds; a free slot has no rows; a finished particle has no rows.
@@ -55,6 +56,7 @@ class SlotTable:
         self.log_phi = torch.zeros(max_slots, dtype=torch.float64)
         self.target_row = torch.full((max_slots,), -1, dtype=torch.int64)
         self.draft_row = torch.full((max_slots,), -1, dtype=torch.int64)
+        self.draft_length = torch.zeros(max_slots, dtype=torch.int64)
         # popped from the end, so low slots are handed out first
         self._free = list(range(max_slots - 1, -1, -1))
 
@@ -80,6 +82,7 @@ class SlotTable:
         self.log_phi[slots] = 0.0
         self.target_row[slots] = -1
         self.draft_row[slots] = -1
+        self.draft_length[slots] = 0
         return slots
 
     def release(self, slots: torch.Tensor) -> None:
@@ -128,7 +131,7 @@ class SlotTable:
         Args:
             slots, sources: [N] int64.
         """
-        for field in (self.tokens, self.length, self.finished, self.stopped, self.log_twist, self.log_phi, self.target_row, self.draft_row):
+        for field in (self.tokens, self.length, self.finished, self.stopped, self.log_twist, self.log_phi, self.target_row, self.draft_row, self.draft_length):
             field[slots] = field[sources].clone()
         self.logw[slots] = 0.0
 

@@ -156,9 +156,10 @@ class CycleProposals:
         return sum(len(self.drafted[u]) for u in self.copy_of)
 
 
-def propose_distinct(plan, drafter: FreeDrafter, tokens: list[list[int]], running: list[int]) -> CycleProposals:
-    """The free draft's proposals of one cycle, one per distinct running particle."""
-    distinct, copy_of = distinct_rows(tokens, running)
+def propose_distinct(plan, drafter: FreeDrafter, tokens: list[list[int]], running: list[int], share: bool = True) -> CycleProposals:
+    """The free draft's proposals of one cycle, one per distinct running particle (one per
+    running particle when `share` is False)."""
+    distinct, copy_of = distinct_rows(tokens, running) if share else (list(range(len(running))), list(range(len(running))))
     drafted, masks, forced = proposals(plan, drafter, tokens, [running[r] for r in distinct])
     return CycleProposals(running, distinct, copy_of, drafted, masks, forced)
 

@@ -40,7 +40,7 @@ def check_serve_flags(args) -> None:
     for name in names:
         if name is not None and parse_draft(name).free and parse_draft(name).has_lm:
             raise ValueError(f"--draft {name}: a server's drafts are models or free; serve --draft {parse_draft(name).lm} "
-                             f"and send \"draft\": \"{name}\" with sd or mask-at-verify")
+                             f"and send \"draft\": \"{name}\" with sd, smc-sd or mask-at-verify")
     if len(names) > 1 and args.backend != "hf":
         raise ValueError(f"--draft {args.draft}: several draft models run on --backend hf only; give one")
     check_device(args.device)
