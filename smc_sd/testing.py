@@ -295,6 +295,40 @@ def assert_ragged_truncate_consistent(
             _assert_close(resumed[b, t], fresh_logits(lm, x[: n + t + 1]), atol, f"extend after truncate_rows, row {b} column {t}")
 
 
+def assert_extend_rows_consistent(
+    lm: LanguageModel, prompts: list[list[int]], continuation_rows: torch.Tensor, counts: list[int], atol: float
+) -> None:
+    """Law: extend_rows(tokens, counts) appends row b's first counts[b] tokens only.
+
+    With rows b holding prompts[b] (`open_ragged`): extend_rows(continuation_rows[:, :L - 1],
+    counts) gives logits[b, t] == open(prompts[b] + continuation_rows[b, : t + 1]) for t <
+    counts[b] and zeros after; the rows then hold prompts[b] + counts[b] tokens, and extending
+    each by its next token (continuation_rows[b, counts[b]]) gives that prefix's fresh logits.
+
+    Args:
+        prompts: B prompts of different lengths.
+        continuation_rows: [B, L] int64, L >= 2.
+        counts: B counts in 1 .. L - 1.
+    """
+    continuation_rows = torch.as_tensor(continuation_rows, dtype=torch.long)
+    width = continuation_rows.shape[1] - 1
+    rows = open_ragged(lm, prompts, atol)
+    # [B, L - 1, V]
+    logits = rows.extend_rows(continuation_rows[:, :width], torch.tensor(counts))
+    if rows.lengths.tolist() != [len(p) + c for p, c in zip(prompts, counts)]:
+        raise AssertionError(f"lengths are {rows.lengths.tolist()} after extend_rows with counts {counts}")
+    following = continuation_rows[torch.arange(len(prompts)), torch.tensor(counts)]
+    # [B, 1, V]
+    after = rows.extend(following[:, None])
+    rows.close()
+    for b, (prompt, count) in enumerate(zip(prompts, counts)):
+        for t in range(count):
+            _assert_close(logits[b, t], fresh_logits(lm, prompt + continuation_rows[b, : t + 1].tolist()), atol, f"extend_rows row {b} column {t}")
+        if bool((logits[b, count:] != 0).any()):
+            raise AssertionError(f"extend_rows row {b}: columns past its count {count} are not zero")
+        _assert_close(after[b, 0], fresh_logits(lm, prompt + continuation_rows[b, : count + 1].tolist()), atol, f"extend after extend_rows, row {b}")
+
+
 def assert_join_many_consistent(
     lm: LanguageModel, prompts: list[list[int]], counts: list[int], continuation_rows: torch.Tensor, atol: float
 ) -> None:

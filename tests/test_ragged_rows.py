@@ -1,4 +1,4 @@
-"""Rows of different lengths (`Sequences.join`, `truncate_rows`, ragged `extend`): the backend laws
+"""Rows of different lengths (`Sequences.join`, `truncate_rows`, ragged `extend`, `extend_rows`): the backend laws
 of `smc_sd.testing` over ragged rows, for the toy backend and the paged HF backend, and a clear
 refusal from the backends whose rows keep one length."""
 
@@ -22,6 +22,7 @@ def test_toy_rows_keep_the_laws_when_their_lengths_differ():
     testing.assert_ragged_select_consistent(lm, PROMPTS, c, torch.tensor([2, 0, 2, 1]), atol=0.0)
     testing.assert_ragged_truncate_consistent(lm, PROMPTS, c, [0, 6, 3], atol=0.0)
     testing.assert_join_many_consistent(lm, PROMPTS, [1, 2, 1], continuation(4, rows=4), atol=0.0)
+    testing.assert_extend_rows_consistent(lm, PROMPTS, c, [1, 5, 3], atol=0.0)
 
 
 def test_toy_length_is_refused_once_rows_differ():
@@ -31,6 +32,8 @@ def test_toy_length_is_refused_once_rows_differ():
         rows.length
     with pytest.raises(ValueError, match="truncate lengths"):
         rows.truncate_rows(torch.tensor([1, 2, 3]))
+    with pytest.raises(ValueError, match="counts must lie in 1 .. 2"):
+        rows.extend_rows(torch.tensor([[1, 2], [3, 0], [0, 0]]), torch.tensor([1, 0, 2]))
 
 
 @pytest.fixture(scope="module")
@@ -47,6 +50,8 @@ def test_paged_hf_rows_keep_the_laws_when_their_lengths_differ(paged_llama):
     testing.assert_ragged_extend_matches_full_forward(paged_llama, prompts, c, atol=2e-5)
     testing.assert_ragged_select_consistent(paged_llama, prompts, c, torch.tensor([2, 0, 2, 1]), atol=2e-5)
     testing.assert_ragged_truncate_consistent(paged_llama, prompts, c, [0, 11, 6], atol=2e-5)
+    # rows reading blocks of their own lengths, one of them the whole width
+    testing.assert_extend_rows_consistent(paged_llama, prompts, c, [2, 5, 1], atol=2e-5)
     # prompts sharing full blocks and not, of several lengths, one of them a single token
     prompts += [[3, 1, 4, 1, 5, 9, 2, 6, 5, 3], [8, 8, 8]]
     testing.assert_join_many_consistent(paged_llama, prompts, [2, 1, 3, 1, 2], continuation(64, rows=9), atol=2e-5)
@@ -65,13 +70,16 @@ def test_paged_hf_join_computes_only_the_prompt_past_its_shared_prefix(paged_lla
         logits = rows.join(system + [8, 8], 3)
         # the 4 full blocks of the system prompt are shared: one forward over the last 2 positions
         assert calls == [(1, 2)] and paged_llama._paged.manager.pool.live == live + 1
-        # two prompts in one forward: 3 and 1 positions past the shared blocks, padded to 3
+        # two prompts in one forward: 3 and 1 positions past the shared blocks, packed end to end
         rows.join_many([system + [1, 2, 3], system + [4]], [1, 2])
-        assert calls == [(1, 2), (2, 3)]
+        assert calls == [(1, 2), (1, 4)]
+        # rows reading 1 and 3 tokens: 4 tokens computed, not 2 rows of 3
+        rows.extend_rows(torch.tensor([[5, 5, 5]] * 8), torch.tensor([1, 3, 1, 1, 1, 1, 1, 1]))
+        assert calls[-1] == (1, 10)
     finally:
         handle.remove()
     assert (logits - testing.fresh_logits(paged_llama, system + [8, 8])).abs().max() < 2e-5
-    assert rows.lengths.tolist() == [9, 9, 10, 10, 10, 11, 9, 9]
+    assert rows.lengths.tolist() == [10, 12, 11, 11, 11, 12, 10, 10]
     rows.check_invariants()
     rows.close()
 
@@ -104,3 +112,4 @@ def test_default_model_ragged_rows_match_fresh_forwards_within_float_noise(defau
     atol = testing.float32_logit_tolerance(default_lm.model, [p + row for p, row in zip(prompts, c.tolist())])
     testing.assert_ragged_extend_matches_full_forward(lm, prompts, c, atol=atol)
     testing.assert_join_many_consistent(lm, prompts, [2, 1, 2], torch.cat([c[:1], c, c[2:]]), atol=atol)
+    testing.assert_extend_rows_consistent(lm, prompts, c, [1, 4, 2], atol=atol)

@@ -22,7 +22,9 @@ Invariants every implementation keeps (checked by `smc_sd.testing`):
 - select(a) then extend equals extending the rows a[i] of the old batch;
 - truncate(n) (or truncate_rows(n)) then extend equals never having appended past n;
 - join(prompt, c) returns the logits a fresh open(prompt, 1) returns and adds c rows that behave
-  as that open's rows; join_many(prompts, counts) is the same as joining them one by one.
+  as that open's rows; join_many(prompts, counts) is the same as joining them one by one;
+- extend_rows(tokens, counts) equals extending every row by all its tokens and then
+  truncate_rows(lengths + counts), the columns past counts[b] zeroed.
 """
 
 from __future__ import annotations
@@ -90,6 +92,29 @@ class Sequences(abc.ABC):
         Returns:
             [B, L, V] float32 logits; row b, column l is the next-token logits after tokens[b, l].
         """
+
+    def extend_rows(self, tokens: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """Append to row b its first counts[b] tokens of tokens[b], at its own positions
+        lengths[b] .. lengths[b] + counts[b] - 1 (rows that read blocks of different lengths).
+
+        This default extends every row by all L tokens, then rolls each back to its own length;
+        a backend overrides it to compute only the tokens the rows keep.
+
+        Args:
+            tokens: [B, L] int64, L >= 1; columns past counts[b] are filler.
+            counts: [B] int64, 1 <= counts[b] <= L.
+
+        Returns:
+            [B, L, V] float32 logits; row b, column l < counts[b] is the next-token logits after
+            tokens[b, l]; columns past counts[b] are zero.
+        """
+        counts = check_counts(counts, tokens)
+        before = self.lengths
+        logits = self.extend(tokens)
+        if bool((counts < tokens.shape[1]).any()):
+            self.truncate_rows(before + counts)
+            logits[torch.arange(tokens.shape[1])[None, :] >= counts[:, None]] = 0.0
+        return logits
 
     def join(self, prompt: list[int], count: int) -> torch.Tensor:
         """Add `count` rows holding `prompt` after the current rows (a request joins the batch).
@@ -184,6 +209,17 @@ def check_extend(tokens: torch.Tensor, batch_size: int, length: int, max_length:
         raise ContextOverflowError(
             f"extending {length} positions by {tokens.shape[1]} exceeds the model's {max_length}"
         )
+
+
+def check_counts(counts: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """Refuse `extend_rows` counts that are not [B] integers in 1 .. L for tokens [B, L];
+    returns them as int64 on the CPU."""
+    if counts.ndim != 1 or counts.shape[0] != tokens.shape[0] or counts.is_floating_point() or counts.dtype == torch.bool:
+        raise ValueError(f"counts must be [{tokens.shape[0]}] integers, got {tuple(counts.shape)} {counts.dtype}")
+    counts = counts.to(torch.int64).cpu()
+    if counts.numel() and (int(counts.min()) < 1 or int(counts.max()) > tokens.shape[1]):
+        raise ValueError(f"counts must lie in 1 .. {tokens.shape[1]}, got {counts.tolist()}")
+    return counts
 
 
 def check_rows(rows: torch.Tensor, batch_size: int) -> None:

@@ -41,6 +41,7 @@ from smc_sd.backends.base import (
     check_rows,
     check_truncate,
 )
+from smc_sd.backends.packed_rows import RowSpans, packed_attention
 from smc_sd.backends.paged_hf import DEFAULT_BLOCK_SIZE, PagedHFSequences, PagedKV
 from smc_sd.backends.pass_cost import PassCost, pass_cost_for
 from smc_sd.backends.precision import as_dtype
@@ -182,7 +183,7 @@ class HFLanguageModel(LanguageModel):
         if self.compile and self.kv_cache != "static":
             raise ValueError(f"compile=True needs kv_cache='static', got kv_cache={self.kv_cache!r}")
         if self.kv_cache == "static":
-            if type(self)._forward is not HFLanguageModel._forward:
+            if type(self)._logits is not HFLanguageModel._logits:
                 raise ValueError(f"kv_cache='static' runs the model's own head; {type(self).__name__} changes its logits")
             if self.compile not in self._static:
                 self._static[self.compile] = StaticRuntime(self.model, self._cache_kwarg, self.compile)
@@ -233,15 +234,30 @@ class HFLanguageModel(LanguageModel):
         else:
             # [1, L]: the same positions for every row, broadcast over B
             positions = (start + steps)[None]
+        return self._logits(cache, input_ids=tokens, position_ids=positions, logits_to_keep=1 if last_only else 0, **masking)
+
+    def _forward_packed(self, tokens: torch.Tensor, positions: torch.Tensor, spans: RowSpans, cache, keep: torch.Tensor | None = None) -> torch.Tensor:
+        """One cached forward over rows packed end to end (`smc_sd.backends.packed_rows`).
+
+        Args:
+            tokens: [T] int64 on the model's device: every row's new tokens, row after row.
+            positions: [T] int64: each token's position in its own row.
+            spans: where each row's tokens and keys lie in the packed sequences.
+            cache: a Cache whose every layer returns the rows' keys end to end, as `spans` says.
+            keep: [J] int64 packed indices whose logits are wanted (None: all T).
+
+        Returns:
+            [T, V] float32 logits ([J, V] with `keep`).
+        """
+        with packed_attention(self.model):
+            logits = self._logits(cache, input_ids=tokens[None], position_ids=positions[None], logits_to_keep=0 if keep is None else keep, row_spans=spans)
+        return logits[0]
+
+    def _logits(self, cache, **inputs) -> torch.Tensor:
+        """The model's logits for these inputs, appending to `cache`: [B, L, V] float32, copied
+        out of inference mode."""
         with torch.inference_mode():
-            out = self.model(
-                input_ids=tokens,
-                position_ids=positions,
-                use_cache=True,
-                logits_to_keep=1 if last_only else 0,
-                **masking,
-                **{self._cache_kwarg: cache},
-            )
+            out = self.model(use_cache=True, **inputs, **{self._cache_kwarg: cache})
         return out.logits.to(torch.float32, copy=True)
 
 

@@ -34,7 +34,8 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from smc_sd.backends.base import Sequences, check_extend, check_join, check_rows, check_truncate, check_truncate_rows
+from smc_sd.backends.base import Sequences, check_counts, check_extend, check_join, check_rows, check_truncate, check_truncate_rows
+from smc_sd.backends.packed_rows import RowSpans
 from smc_sd.cache.manager import KVCacheManager
 from smc_sd.cache.store import KVStore
 from smc_sd.models.feature_draft import capture_layer_outputs
@@ -178,6 +179,24 @@ class PagedHFSequences(Sequences):
         plan = self._kv.manager.append(self._table, tokens)
         return self._forward(tokens, plan)
 
+    def extend_rows(self, tokens: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """Append to row b its first counts[b] tokens; one packed forward computes only those
+        (`smc_sd.backends.packed_rows`). Returns logits [B, L, V] float32, zero past counts[b]."""
+        self._check_open()
+        counts = check_counts(counts, tokens)
+        check_extend(tokens, self.batch_size, int((self._table.lengths + counts).max()) - tokens.shape[1], self._lm.max_length)
+        if bool((counts == tokens.shape[1]).all()):
+            return self.extend(tokens)
+        self._refuse_features("extend_rows")
+        plan = self._kv.manager.append(self._table, tokens, counts)
+        # [B, L]: the columns each row keeps
+        real = torch.arange(tokens.shape[1])[None, :] < counts[:, None]
+        # [T, V]
+        packed = self._packed_forward(tokens[real], counts, plan.copies, plan.slots[real])
+        logits = packed.new_zeros(*tokens.shape, packed.shape[-1])
+        logits[real.to(packed.device)] = packed
+        return logits
+
     def join(self, prompt: list[int], count: int) -> torch.Tensor:
         """Add `count` rows holding `prompt`; its prefix already in the trie is shared, not
         recomputed. Returns the logits after the prompt, [V] float32."""
@@ -286,45 +305,46 @@ class PagedHFSequences(Sequences):
         return logits
 
     def _prefill(self, new_tokens: list[list[int]], plans) -> torch.Tensor:
-        """One forward writing every row's last L_j prompt positions (`plans[j]`, as
-        `open_shared` made them), rows padded to L = max L_j.
-
-        Row j's padding columns sit at positions past its prompt: they read and write scratch
-        blocks taken for this forward only, and every real position's mask hides them, so the
-        real positions' KV and logits are those of the row alone.
+        """One packed forward writing every row's last L_j prompt positions (`plans[j]`, as
+        `open_shared` made them), only the logits after each prompt computed.
 
         Returns:
             [J, V] float32 logits after each row's prompt.
         """
+        counts = torch.tensor([len(t) for t in new_tokens])
+        tokens = torch.tensor([t for row in new_tokens for t in row], dtype=torch.int64)
+        copies = torch.cat([plan.copies for plan in plans])
+        slots = torch.cat([plan.slots[0] for plan in plans])
+        return self._packed_forward(tokens, counts, copies, slots, keep=counts.cumsum(0) - 1)
+
+    def _packed_forward(self, tokens: torch.Tensor, counts: torch.Tensor, copies: torch.Tensor, slots: torch.Tensor, keep: torch.Tensor | None = None) -> torch.Tensor:
+        """The forward of rows whose last counts[b] positions were just recorded (by `append` or
+        `open_shared`), their tokens packed end to end.
+
+        Args:
+            tokens: [T] int64, T = sum(counts): every row's new tokens, row after row.
+            counts: [B] int64 new positions per row.
+            copies: [C, 2] block copies the store makes first.
+            slots: [T] int64 slots where the new positions' KV goes.
+            keep: [J] int64 packed indices whose logits are wanted (None: all T).
+
+        Returns:
+            [T, V] float32 logits ([J, V] with `keep`).
+        """
         manager, store, device = self._kv.manager, self._kv.store, self._lm.device
-        bs = manager.block_size
-        # [J]: positions each row computes, and where they start
-        new = torch.tensor([len(t) for t in new_tokens])
-        width = int(new.max())
-        starts = self._table.lengths - new
-        real = torch.arange(width)[None, :] < new[:, None]
-        padding = int((~real).sum())
-        scratch = manager.pool.allocate(-(-padding // bs))
-        # [J, L]: the rows' new slots, then scratch slots for their padding (row-major order)
-        write = torch.zeros(len(new_tokens), width, dtype=torch.int64)
-        write[real] = torch.cat([plan.slots[0] for plan in plans])
-        write[~real] = (scratch[:, None] * bs + torch.arange(bs)).reshape(-1)[:padding]
-        tokens = torch.zeros(len(new_tokens), width, dtype=torch.int64)
-        tokens[real] = torch.tensor([t for row in new_tokens for t in row], dtype=torch.int64)
-        # [J, T]: every row's own positions, then its padding's scratch slots
-        read = manager.slots(self._table, 0, int((starts + width).max()))
-        positions = torch.arange(read.shape[1])[None, :]
-        read[(positions >= self._table.lengths[:, None]) & (positions < (starts + width)[:, None])] = write[~real]
-        try:
-            store.ensure_capacity(manager.pool.capacity)
-            store.copy_blocks(torch.cat([plan.copies for plan in plans]))
-            cache = paged_cache(store, int(starts.max()), write.to(device), read.to(device))
-            # [J, L, V]
-            logits = self._lm._forward(tokens.to(device), starts, cache)
-        finally:
-            manager.pool.release(scratch)
+        lengths = self._table.lengths
+        starts = lengths - counts
+        # [T]: each new token's position in its row
+        positions = torch.repeat_interleave(starts - counts.cumsum(0) + counts, counts) + torch.arange(int(counts.sum()))
+        # [sum lengths]: every row's slots, row after row
+        read = manager.slots(self._table)[torch.arange(int(lengths.max()))[None, :] < lengths[:, None]]
+        store.ensure_capacity(manager.pool.capacity)
+        store.copy_blocks(copies)
+        cache = paged_cache(store, int(starts.max()), slots[None].to(device), read[None].to(device))
+        spans = RowSpans.of(counts, lengths)
+        logits = self._lm._forward_packed(tokens.to(device), positions.to(device), spans, cache, None if keep is None else keep.to(device))
         manager.commit(self._table, starts)
-        return logits[torch.arange(len(new_tokens), device=logits.device), (new - 1).to(logits.device)]
+        return logits
 
     def _refuse_features(self, operation: str) -> None:
         if self._feature_layers:

@@ -36,10 +36,10 @@ class RestrictedVocabLM(HFLanguageModel):
         super().__init__(model, tokenizer, **options)
         self.vocab_ids = vocab_ids.to(device=model.device, dtype=torch.long)
 
-    def _forward(self, tokens, start, cache, last_only=False):
-        """The base forward's [B, L, V_S] logits scattered into [B, L, V], MASKED_LOGIT off S."""
+    def _logits(self, cache, **inputs):
+        """The head's [B, L, V_S] logits scattered into [B, L, V], MASKED_LOGIT off S."""
         # [B, L, V_S]
-        compact = super()._forward(tokens, start, cache, last_only)
+        compact = super()._logits(cache, **inputs)
         full = compact.new_full((*compact.shape[:2], self.vocabulary.size), MASKED_LOGIT)
         full[..., self.vocab_ids] = compact
         return full

@@ -177,17 +177,20 @@ class KVCacheManager:
         other.blocks, other.closed = other.blocks[:, :0], True
         self._record_peak(table)
 
-    def append(self, table: BlockTables, tokens: torch.Tensor) -> AppendPlan:
+    def append(self, table: BlockTables, tokens: torch.Tensor, counts: torch.Tensor | None = None) -> AppendPlan:
         """Make room for `tokens` [B, L] int64 at the end of every row and record them; row b
-        gets positions lengths[b] .. lengths[b] + L - 1.
+        gets its first counts[b] tokens (all L by default) at positions lengths[b] ..
+        lengths[b] + counts[b] - 1.
 
         Returns:
             The plan: block copies (copy on write of shared partial last blocks), then the slots
-            where the new positions' KV must be written. Call `commit` once they are written.
+            where the new positions' KV must be written (a column past counts[b] repeats row b's
+            last new slot: nothing is written there). Call `commit` once they are written.
         """
         self._check_open(table)
         bs, old = self.block_size, table.lengths.clone()
         tokens = tokens.to(torch.int64).cpu()
+        counts = torch.full_like(old, tokens.shape[1]) if counts is None else counts.to(torch.int64).cpu()
         copies = []
         for b in (old % bs).nonzero().flatten().tolist():
             last = int(old[b]) // bs
@@ -201,7 +204,7 @@ class KVCacheManager:
                 # count stays >= 1: the source survives until the store has copied it
                 self.pool.release(torch.tensor([block]))
                 table.blocks[b, last] = fresh
-        new_lengths = old + tokens.shape[1]
+        new_lengths = old + counts
         have, need = _blocks_for(old, bs), _blocks_for(new_lengths, bs)
         table.blocks = _pad_columns(table.blocks, int(need.max()))
         table.tokens = _pad_columns(table.tokens, int(new_lengths.max()))
@@ -214,9 +217,11 @@ class KVCacheManager:
             taken = offsets[None, :] < count[:, None]
             rows = torch.arange(table.batch_size)[:, None].expand_as(taken)[taken]
             table.blocks[rows, (have[:, None] + offsets[None, :])[taken]] = fresh
+        # [B, L]: the column of tokens each position takes, past counts[b] the last one again
+        columns = torch.minimum(torch.arange(tokens.shape[1])[None, :], counts[:, None] - 1)
         # [B, L]: the appended positions of every row
-        positions = old[:, None] + torch.arange(tokens.shape[1])
-        table.tokens.scatter_(1, positions, tokens)
+        positions = old[:, None] + columns
+        table.tokens.scatter_(1, positions, tokens.gather(1, columns))
         table.lengths = new_lengths
         self._record_peak(table)
         return AppendPlan(torch.tensor(copies, dtype=torch.int64).view(-1, 2), self._slots_at(table, positions))

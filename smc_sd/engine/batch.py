@@ -349,13 +349,17 @@ class BatchEngine:
             self._draft_passes(rows, entries, [r if use else None for r, use in zip(draft_rows, uses)], healthy)
         widths = [g.target_width() if ok else 1 for g, ok in zip(groups, healthy)]
         width = max(widths)
-        # [B_t, width]: last token, drafted block, EOS filler (all filler on failed requests)
+        # [B_t, width]: last token, drafted block, EOS filler (one filler token on failed
+        # requests' rows); [B_t]: the tokens each row reads
         feed = torch.full((self.target_rows.size, width), eos, dtype=torch.int64)
+        counts = torch.ones(self.target_rows.size, dtype=torch.int64)
         for g, ok, rows in zip(groups, healthy, target_rows):
             if ok:
-                feed[rows] = g.target_feed(width)
-        # [B_t, width, V]: ONE target pass over every request's rows
-        logits = self.target_rows.extend(feed)
+                tokens, read = g.target_feed()
+                feed[rows, : tokens.shape[1]] = tokens
+                counts[rows] = read
+        # [B_t, width, V]: ONE target pass over every request's rows, each reading its own count
+        logits = self.target_rows.extend(feed, counts)
         self._totals["target_passes_total"] += 1
         for i, (e, g, rows) in enumerate(zip(entries, groups, target_rows)):
             if healthy[i]:
@@ -388,22 +392,17 @@ class BatchEngine:
         # [B_d, width]: the tokens every drafting row has not read (the last two of its prefix,
         # more after free-draft blocks), then EOS filler (all filler on other rows)
         feed = torch.full((draft.size, width), eos, dtype=torch.int64)
-        # [B_d]: the column of each row's last fed token
-        last = torch.full((draft.size,), width - 1, dtype=torch.int64)
+        # [B_d]: the column of each row's last fed token (one filler token on other rows)
+        last = torch.zeros(draft.size, dtype=torch.int64)
         for f, rows in zip(feeds, rows_of):
             if f is not None:
                 tokens, counts = f
                 feed[rows, : tokens.shape[1]] = tokens
                 last[rows] = counts - 1
-        lengths = draft.rows.lengths + last + 1
         for j in range(k_max):
             # [B_d, V]: the draft's logits after each row's last fed token
-            logits = draft.extend(feed)
-            logits = logits[torch.arange(draft.size), last] if j == 0 else logits[:, -1]
-            if j == 0 and bool((last < width - 1).any()):
-                # rows fed fewer tokens drop their filler before the next pass
-                draft.rows.truncate_rows(lengths)
-            feed = torch.full((draft.size, 1), eos, dtype=torch.int64)
+            logits = draft.extend(feed, last + 1)[torch.arange(draft.size), last]
+            feed, last = torch.full((draft.size, 1), eos, dtype=torch.int64), torch.zeros_like(last)
             for i, (e, g, rows) in enumerate(zip(entries, groups, rows_of)):
                 if healthy[i] and rows is not None and j < g.draft_len:
                     healthy[i] = self._attempt(e, self._draw, g, logits, rows, feed)

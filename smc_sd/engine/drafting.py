@@ -13,7 +13,6 @@ from typing import Callable
 
 import torch
 
-from smc_sd.backends.base import Sequences
 from smc_sd.engine.masking import masked_logprobs
 from smc_sd.engine.sampling import sample_tokens, tempered_logprobs
 from smc_sd.constraints.token_constraints import UnsatisfiableConstraintError
@@ -44,14 +43,15 @@ class BlockDrafter:
 
     `draw` turns the draft's next-token logits into q~ = softmax(logits / T_d) · m / Z_q (the
     constraint mask m of the tokens drafted so far, when there is one), draws a token per row
-    from it and records log q~, so a caller that batches the draft's forwards over several
-    requests draws each request's tokens exactly as `draft_block` would.
+    from it and records log q~; the engine batches the draft's forwards over every request and
+    hands each request's drafter its rows' logits.
 
     Args:
         n: N, the rows.
         temperature: T_d.
         generator: the run's random generator.
-        mask_at: as in `draft_block`, or None when unconstrained.
+        mask_at: maps the tokens drafted so far, [N, j] int64, to the constraint mask before
+            position j + 1 ([N, V] bool) and its dead rows ([N] bool); None when unconstrained.
     """
 
     def __init__(self, n: int, temperature: float, generator: torch.Generator, mask_at=None):
@@ -92,35 +92,6 @@ class BlockDrafter:
         return DraftBlock(
             torch.stack(self.drafted, 1), torch.stack(self.logq, 1), torch.stack(self.masks, 1), torch.stack(self.dead, 1)
         )
-
-
-def draft_block(
-    rows: Sequences,
-    unseen: torch.Tensor,
-    draft_len: int,
-    temperature: float,
-    generator: torch.Generator,
-    mask_at: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = None,
-) -> DraftBlock:
-    """Draw K tokens per row from the (masked) draft.
-
-    Args:
-        rows: the draft's sequences (N rows).
-        unseen: [N, U] int64 tokens of the prefix the draft has not read yet (U >= 1).
-        draft_len: K >= 1.
-        temperature: T_d.
-        mask_at: maps the tokens drafted so far, [N, j] int64, to the constraint mask before
-            position j + 1 ([N, V] bool) and its dead rows ([N] bool); None when unconstrained.
-
-    Returns:
-        The block; the draft has then read everything but its last token.
-    """
-    drafter = BlockDrafter(unseen.shape[0], temperature, generator, mask_at)
-    feed = unseen
-    for _ in range(draft_len):
-        logits = rows.extend(feed)[:, -1]
-        feed = drafter.draw(logits)[:, None]
-    return drafter.block(logits.shape[-1])
 
 
 def block_masks(masker, prefixes: list[list[int]], live: torch.Tensor, eos: int):

@@ -126,17 +126,15 @@ class FreeImportanceGroup(ImportanceGroup):
     def target_width(self) -> int:
         return self.plan.draft_len + 1 if self.lm_cycle else self.cycle.width
 
-    def target_feed(self, width: int) -> torch.Tensor:
-        """[U, width] int64: each distinct row's unseen last token, its proposal (or the draft
-        LM's block), EOS filler."""
+    def target_feed(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each distinct row's unseen last token and its proposal (or the draft LM's block),
+        EOS filler after them: ([U, n] int64, [U] int64 counts)."""
         if self.lm_cycle:
             live = self.live()
             last = self.table.tokens[live, self.table.length[live] - 1][:, None]
-            feed = torch.cat([last, self.drafter.block(self.plan.target.vocabulary.size).tokens], 1)
-        else:
-            feed = self.cycle.feed(self.tokens(), self.eos)
-        filler = torch.full((feed.shape[0], width - feed.shape[1]), self.eos, dtype=torch.int64)
-        return torch.cat([feed, filler], 1)
+            tokens = torch.cat([last, self.drafter.block(self.plan.target.vocabulary.size).tokens], 1)
+            return tokens, torch.full((live.numel(),), tokens.shape[1], dtype=torch.int64)
+        return self.cycle.feed(self.tokens(), self.eos), torch.tensor([1 + len(d) for d in self.cycle.drafted])
 
     def verify(self, target_logits: torch.Tensor) -> None:
         """Extension and its weights (`smc_free.extend_running`, or the draft LM's block in its

@@ -139,12 +139,14 @@ class Group:
         """The next drafted token of every unfinished particle from the draft's logits [A, V]."""
         return self.drafter.draw(logits)
 
-    def target_feed(self, width: int) -> torch.Tensor:
-        """[A, width] int64: the last token, the drafted block, then EOS filler."""
+    def target_feed(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """What each of the group's target rows reads: ([A, n] int64 tokens, [A] int64 counts),
+        row a its first counts[a] tokens, EOS filler after them; here the last token and the
+        drafted block (n = counts = K + 1)."""
         live = self.live()
         drafted = self.drafter.block(self.plan.target.vocabulary.size).tokens
-        filler = torch.full((live.numel(), width - 1 - drafted.shape[1]), self.eos, dtype=torch.int64)
-        return torch.cat([self.table.tokens[live, self.generated - 1 : self.generated], drafted, filler], 1)
+        tokens = torch.cat([self.table.tokens[live, self.generated - 1 : self.generated], drafted], 1)
+        return tokens, torch.full((live.numel(),), tokens.shape[1], dtype=torch.int64)
 
     def particle_tokens(self) -> list[list[int]]:
         """Every particle's generated tokens, each ending at its EOS (a stopped one at its stop)."""
@@ -387,13 +389,12 @@ class SpeculativeGroup(Group):
         less after cycles whose blocks were the free draft's."""
         return torch.tensor([min(self.draft_read, len(self.prompt) + self.generated - 2)])
 
-    def target_feed(self, width: int) -> torch.Tensor:
-        """[1, width] int64: the last token, the cycle's block, then EOS filler."""
+    def target_feed(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """([1, m + 1] int64, [1]: m + 1): the last token and the cycle's block."""
         if self.fixed_block is None:
-            return super().target_feed(width)
-        block = self.fixed_block.tokens
-        filler = torch.full((1, width - 1 - block.shape[1]), self.eos, dtype=torch.int64)
-        return torch.cat([self.table.tokens[self.slots[:1], self.generated - 1 : self.generated], block, filler], 1)
+            return super().target_feed()
+        tokens = torch.cat([self.table.tokens[self.slots[:1], self.generated - 1 : self.generated], self.fixed_block.tokens], 1)
+        return tokens, torch.tensor([tokens.shape[1]])
 
     def verify(self, target_logits: torch.Tensor) -> None:
         """The accept/reject step of one cycle (`smc_sd.engine.speculative.verify_drafts`).

@@ -3,7 +3,7 @@
 A `RowSet` holds a backend's `Sequences` while any row is held and none otherwise: the first
 request to join opens them (`LanguageModel.open`), later ones `join`, and the rows close when a
 reseat leaves none. The engine numbers rows itself (`SlotTable.target_row`, `draft_row`), so
-the only operations are: join rows at the end, extend every row, and `reseat`, which makes the
+the only operations are: join rows at the end, extend every row (each by its own count of tokens), and `reseat`, which makes the
 rows a chosen list of old rows at chosen lengths.
 """
 
@@ -59,9 +59,10 @@ class RowSet:
             self.close()
             raise
 
-    def extend(self, tokens: torch.Tensor) -> torch.Tensor:
-        """`Sequences.extend` over every row: tokens [B, L] -> logits [B, L, V] float32."""
-        return self.rows.extend(tokens)
+    def extend(self, tokens: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """`Sequences.extend_rows` over every row: row b reads its first counts[b] of tokens
+        [B, L]; logits [B, L, V] float32 (zero past counts[b])."""
+        return self.rows.extend_rows(tokens, counts)
 
     def keep_first(self, count: int) -> None:
         """Drop every row from `count` on (undo a join)."""
