@@ -301,9 +301,10 @@ def assert_extend_rows_consistent(
     """Law: extend_rows(tokens, counts) appends row b's first counts[b] tokens only.
 
     With rows b holding prompts[b] (`open_ragged`): extend_rows(continuation_rows[:, :L - 1],
-    counts) gives logits[b, t] == open(prompts[b] + continuation_rows[b, : t + 1]) for t <
-    counts[b] and zeros after; the rows then hold prompts[b] + counts[b] tokens, and extending
-    each by its next token (continuation_rows[b, counts[b]]) gives that prefix's fresh logits.
+    counts) gives [sum(counts), V] logits, entry counts[0] + ... + counts[b - 1] + t ==
+    open(prompts[b] + continuation_rows[b, : t + 1]) for t < counts[b]; the rows then hold
+    prompts[b] + counts[b] tokens, and extending each by its next token
+    (continuation_rows[b, counts[b]]) gives that prefix's fresh logits.
 
     Args:
         prompts: B prompts of different lengths.
@@ -313,19 +314,20 @@ def assert_extend_rows_consistent(
     continuation_rows = torch.as_tensor(continuation_rows, dtype=torch.long)
     width = continuation_rows.shape[1] - 1
     rows = open_ragged(lm, prompts, atol)
-    # [B, L - 1, V]
+    # [sum(counts), V]
     logits = rows.extend_rows(continuation_rows[:, :width], torch.tensor(counts))
+    _assert_logits_shape(logits, (sum(counts), lm.vocabulary.size), "extend_rows logits")
     if rows.lengths.tolist() != [len(p) + c for p, c in zip(prompts, counts)]:
         raise AssertionError(f"lengths are {rows.lengths.tolist()} after extend_rows with counts {counts}")
     following = continuation_rows[torch.arange(len(prompts)), torch.tensor(counts)]
     # [B, 1, V]
     after = rows.extend(following[:, None])
     rows.close()
+    first = 0
     for b, (prompt, count) in enumerate(zip(prompts, counts)):
         for t in range(count):
-            _assert_close(logits[b, t], fresh_logits(lm, prompt + continuation_rows[b, : t + 1].tolist()), atol, f"extend_rows row {b} column {t}")
-        if bool((logits[b, count:] != 0).any()):
-            raise AssertionError(f"extend_rows row {b}: columns past its count {count} are not zero")
+            _assert_close(logits[first + t], fresh_logits(lm, prompt + continuation_rows[b, : t + 1].tolist()), atol, f"extend_rows row {b} column {t}")
+        first += count
         _assert_close(after[b, 0], fresh_logits(lm, prompt + continuation_rows[b, : count + 1].tolist()), atol, f"extend after extend_rows, row {b}")
 
 

@@ -24,7 +24,7 @@ Invariants every implementation keeps (checked by `smc_sd.testing`):
 - join(prompt, c) returns the logits a fresh open(prompt, 1) returns and adds c rows that behave
   as that open's rows; join_many(prompts, counts) is the same as joining them one by one;
 - extend_rows(tokens, counts) equals extending every row by all its tokens and then
-  truncate_rows(lengths + counts), the columns past counts[b] zeroed.
+  truncate_rows(lengths + counts), its logits those of the kept tokens, packed row after row.
 """
 
 from __future__ import annotations
@@ -105,16 +105,16 @@ class Sequences(abc.ABC):
             counts: [B] int64, 1 <= counts[b] <= L.
 
         Returns:
-            [B, L, V] float32 logits; row b, column l < counts[b] is the next-token logits after
-            tokens[b, l]; columns past counts[b] are zero.
+            [T, V] float32 logits packed row after row, T = sum(counts): entry
+            counts[0] + ... + counts[b - 1] + l is the next-token logits after tokens[b, l].
         """
         counts = check_counts(counts, tokens)
         before = self.lengths
         logits = self.extend(tokens)
-        if bool((counts < tokens.shape[1]).any()):
-            self.truncate_rows(before + counts)
-            logits[torch.arange(tokens.shape[1])[None, :] >= counts[:, None]] = 0.0
-        return logits
+        if bool((counts == tokens.shape[1]).all()):
+            return logits.flatten(0, 1)
+        self.truncate_rows(before + counts)
+        return logits[torch.arange(tokens.shape[1])[None, :] < counts[:, None]]
 
     def join(self, prompt: list[int], count: int) -> torch.Tensor:
         """Add `count` rows holding `prompt` after the current rows (a request joins the batch).

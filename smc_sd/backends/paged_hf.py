@@ -181,21 +181,18 @@ class PagedHFSequences(Sequences):
 
     def extend_rows(self, tokens: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """Append to row b its first counts[b] tokens; one packed forward computes only those
-        (`smc_sd.backends.packed_rows`). Returns logits [B, L, V] float32, zero past counts[b]."""
+        (`smc_sd.backends.packed_rows`). Returns their logits packed row after row, [T, V]
+        float32 (`Sequences.extend_rows`)."""
         self._check_open()
         counts = check_counts(counts, tokens)
         check_extend(tokens, self.batch_size, int((self._table.lengths + counts).max()) - tokens.shape[1], self._lm.max_length)
         if bool((counts == tokens.shape[1]).all()):
-            return self.extend(tokens)
+            return self.extend(tokens).flatten(0, 1)
         self._refuse_features("extend_rows")
         plan = self._kv.manager.append(self._table, tokens, counts)
         # [B, L]: the columns each row keeps
         real = torch.arange(tokens.shape[1])[None, :] < counts[:, None]
-        # [T, V]
-        packed = self._packed_forward(tokens[real], counts, plan.copies, plan.slots[real])
-        logits = packed.new_zeros(*tokens.shape, packed.shape[-1])
-        logits[real.to(packed.device)] = packed
-        return logits
+        return self._packed_forward(tokens[real], counts, plan.copies, plan.slots[real])
 
     def join(self, prompt: list[int], count: int) -> torch.Tensor:
         """Add `count` rows holding `prompt`; its prefix already in the trie is shared, not

@@ -53,7 +53,7 @@ from smc_sd.engine.free_groups import FreeImportanceGroup
 from smc_sd.engine.groups import Group, ImportanceGroup, SpeculativeGroup
 from smc_sd.engine.requests import Event, Handle, QueueFullError, Request
 from smc_sd.engine.result import CycleStats, Result, kv_memory
-from smc_sd.engine.rows import RowSet, join_groups, reseat_groups
+from smc_sd.engine.rows import RowSet, join_groups, reseat_groups, row_logits
 from smc_sd.engine.slots import SlotTable
 
 __all__ = ["BatchEngine", "Event", "Handle", "QueueFullError", "Request", "RowsOfOneLengthError"]
@@ -358,12 +358,14 @@ class BatchEngine:
                 tokens, read = g.target_feed()
                 feed[rows, : tokens.shape[1]] = tokens
                 counts[rows] = read
-        # [B_t, width, V]: ONE target pass over every request's rows, each reading its own count
+        # [sum(counts), V]: ONE target pass over every request's rows, each reading its own
+        # count, packed row after row; [B_t + 1]: where each row's logits start
         logits = self.target_rows.extend(feed, counts)
+        starts = torch.cat([torch.zeros(1, dtype=torch.int64), counts.cumsum(0)])
         self._totals["target_passes_total"] += 1
         for i, (e, g, rows) in enumerate(zip(entries, groups, target_rows)):
             if healthy[i]:
-                healthy[i] = self._attempt(e, g.verify, logits[rows, : widths[i]])
+                healthy[i] = self._attempt(e, g.verify, row_logits(logits, starts, rows, widths[i]))
             if healthy[i] and e.on_cycle is not None:
                 healthy[i] = self._attempt(e, e.on_cycle, g.cycles[-1], g.particle_tokens())
         for e, ok in zip(entries, healthy):
@@ -401,7 +403,7 @@ class BatchEngine:
                 last[rows] = counts - 1
         for j in range(k_max):
             # [B_d, V]: the draft's logits after each row's last fed token
-            logits = draft.extend(feed, last + 1)[torch.arange(draft.size), last]
+            logits = draft.extend(feed, last + 1)[(last + 1).cumsum(0) - 1]
             feed, last = torch.full((draft.size, 1), eos, dtype=torch.int64), torch.zeros_like(last)
             for i, (e, g, rows) in enumerate(zip(entries, groups, rows_of)):
                 if healthy[i] and rows is not None and j < g.draft_len:

@@ -61,7 +61,7 @@ class RowSet:
 
     def extend(self, tokens: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """`Sequences.extend_rows` over every row: row b reads its first counts[b] of tokens
-        [B, L]; logits [B, L, V] float32 (zero past counts[b])."""
+        [B, L]; logits [sum(counts), V] float32, packed row after row (`row_logits` reads them)."""
         return self.rows.extend_rows(tokens, counts)
 
     def keep_first(self, count: int) -> None:
@@ -93,6 +93,31 @@ class RowSet:
         if self.rows is not None:
             self.rows.close()
             self.rows = None
+
+
+def row_logits(packed: torch.Tensor, starts: torch.Tensor, rows: torch.Tensor, width: int) -> torch.Tensor:
+    """Some rows' logits out of a packed pass (`RowSet.extend`), as [A, width, V]: each row's
+    first `width` columns, zero past the tokens it read.
+
+    A view into `packed` when the rows are consecutive and each read `width` tokens (every
+    request's rows are consecutive, and all but a free draft's read blocks of one length).
+
+    Args:
+        packed: [T, V] float32, the pass's logits row after row.
+        starts: [B + 1] int64: row b's logits are packed[starts[b] : starts[b + 1]].
+        rows: [A] int64 rows.
+        width: columns wanted, at least every row's count.
+    """
+    begin, counts = starts[rows], starts[rows + 1] - starts[rows]
+    if rows.numel() and bool((counts == width).all()) and bool((rows[1:] - rows[:-1] == 1).all()):
+        first = int(begin[0])
+        return packed[first : first + rows.numel() * width].view(rows.numel(), width, -1)
+    columns = torch.arange(width)[None, :]
+    # [A, width]: the columns each row read
+    kept = columns < counts[:, None]
+    out = packed.new_zeros(rows.numel(), width, packed.shape[-1])
+    out[kept] = packed[(begin[:, None] + columns)[kept]]
+    return out
 
 
 def join_groups(target_rows: RowSet, draft_sets: list[RowSet], groups: list) -> list[tuple[tuple[int, int], torch.Tensor]]:
