@@ -12,7 +12,7 @@ import math
 import pytest
 
 from smc_sd.backends.pass_cost import CPU_BFLOAT16_NATIVE, CPU_FLOAT32, CUDA, PassCost
-from smc_sd.engine.free_drafts import DECAY, FreeDrafter, best_block_length
+from smc_sd.engine.free_drafts import DECAY, PRIOR_ACCEPTANCE, FreeDrafter, best_block_length
 from smc_sd.metrics import empirical, total_variation, tv_tolerance
 from smc_sd.program import FreeDraft, Schedule
 from smc_sd.constraints.grammars import Regex
@@ -99,6 +99,22 @@ def test_record_counts_the_tokens_each_verify_tested_by_source():
     assert added("forced") == pytest.approx([0, 1]) and drafter.counts["lookup"] == before["lookup"]
     drafter.record(0, 0, 0)
     assert drafter.counts["lookup"] == before["lookup"]
+
+
+def test_a_source_the_cost_cuts_drifts_back_to_its_prior_and_is_tried_again():
+    drafter = FreeDrafter(FreeDraft(min_match=1), [5, 6, 7, 5, 6, 7, 5, 6, 7], cost=CPU_FLOAT32, rows=4)
+    # its lookup was refused often: a running acceptance of 0.1 does not pay at 4 rows
+    drafter.counts["lookup"] = [1.0, 10.0]
+    lengths, acceptances = [], []
+    for _ in range(40):
+        tokens, _ = drafter.propose([5, 6], budget=64)
+        lengths.append(len(tokens))
+        acceptances.append(drafter.acceptance("lookup"))
+        if tokens:
+            break
+    # untested, it rises towards the prior 0.5 a step per cut, and proposes again once it pays
+    assert lengths[0] == 0 and lengths[-1] > 0 and 5 <= len(lengths) < 40
+    assert all(a < b < PRIOR_ACCEPTANCE["lookup"] for a, b in zip(acceptances, acceptances[1:-1]))
 
 
 def test_best_block_length_proposes_exactly_where_it_pays():
