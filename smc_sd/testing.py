@@ -309,7 +309,7 @@ def assert_extend_rows_consistent(
     Args:
         prompts: B prompts of different lengths.
         continuation_rows: [B, L] int64, L >= 2.
-        counts: B counts in 1 .. L - 1.
+        counts: B counts in 0 .. L - 1.
     """
     continuation_rows = torch.as_tensor(continuation_rows, dtype=torch.long)
     width = continuation_rows.shape[1] - 1

@@ -388,6 +388,10 @@ def test_paged_hf_batch_matches_program_run_and_returns_every_block(llamas):
         batched, single = handle.result(0), alone(request)
         assert batched.particles == single.particles and batched.chosen == single.chosen
         assert torch.allclose(batched.log_weights, single.log_weights, atol=1e-4) and abs(batched.log_ml - single.log_ml) < 1e-4
+        # its KV statistics are its own rows', as alone: the blocks it shares with the others
+        # count for it, the others' own blocks do not
+        assert batched.kv == single.kv and batched.kv["scope"] == "request"
+        assert 0 < batched.kv["peak_bytes"] <= batched.kv["naive_peak_bytes"] + target._paged.manager.bytes_per_block * 2 * request.schedule.particles
     for lm in llamas:
         assert lm._paged.manager.pool.live == 0 and len(lm._paged.manager.trie) == 0
 

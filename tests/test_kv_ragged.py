@@ -46,6 +46,10 @@ def check(manager, store, tables, reference):
         listings.index_add_(0, listed, torch.ones_like(listed))
     # the tables are the pool's only users: every count equals its listings exactly
     assert [manager.pool.count(b) for b in range(manager.pool.capacity)] == listings.tolist()
+    # all rows of the only table hold the pool's live blocks, each once; full copies at least that
+    if len(tables) == 1 and tables[0].batch_size:
+        held = manager.rows_memory(tables[0], torch.arange(tables[0].batch_size))
+        assert held["live_bytes"] == manager.pool.live * manager.bytes_per_block <= held["naive_bytes"] + manager.bytes_per_block * tables[0].batch_size
 
 
 def join(manager, store, table, prompt: list[int], count: int) -> None:
@@ -89,9 +93,11 @@ def test_random_ragged_operations_match_reference(block_size):
             steps = rng.randint(1, 4)
             new = [[rng.randrange(vocab) for _ in range(steps)] for _ in rows]
             starts = [len(r) for r in rows]
-            plan = manager.append(table, torch.tensor(new))
+            # half the time each row keeps its own count of the tokens (blocks of its own length)
+            counts = [rng.randint(1, steps) for _ in rows] if rng.random() < 0.5 else [steps] * len(rows)
+            plan = manager.append(table, torch.tensor(new), torch.tensor(counts))
             store.apply(manager, table, plan, starts)
-            reference[i] = [r + n for r, n in zip(rows, new)]
+            reference[i] = [r + n[:c] for r, n, c in zip(rows, new, counts)]
         elif op < 0.8:
             ancestors = [rng.randrange(len(rows)) for _ in range(rng.randint(1, 6))]
             manager.select(table, torch.tensor(ancestors))

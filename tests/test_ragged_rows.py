@@ -22,7 +22,7 @@ def test_toy_rows_keep_the_laws_when_their_lengths_differ():
     testing.assert_ragged_select_consistent(lm, PROMPTS, c, torch.tensor([2, 0, 2, 1]), atol=0.0)
     testing.assert_ragged_truncate_consistent(lm, PROMPTS, c, [0, 6, 3], atol=0.0)
     testing.assert_join_many_consistent(lm, PROMPTS, [1, 2, 1], continuation(4, rows=4), atol=0.0)
-    testing.assert_extend_rows_consistent(lm, PROMPTS, c, [1, 5, 3], atol=0.0)
+    testing.assert_extend_rows_consistent(lm, PROMPTS, c, [1, 5, 0], atol=0.0)
 
 
 def test_toy_length_is_refused_once_rows_differ():
@@ -32,8 +32,8 @@ def test_toy_length_is_refused_once_rows_differ():
         rows.length
     with pytest.raises(ValueError, match="truncate lengths"):
         rows.truncate_rows(torch.tensor([1, 2, 3]))
-    with pytest.raises(ValueError, match="counts must lie in 1 .. 2"):
-        rows.extend_rows(torch.tensor([[1, 2], [3, 0], [0, 0]]), torch.tensor([1, 0, 2]))
+    with pytest.raises(ValueError, match="counts must lie in 0 .. 2"):
+        rows.extend_rows(torch.tensor([[1, 2], [3, 0], [0, 0]]), torch.tensor([1, -1, 2]))
 
 
 @pytest.fixture(scope="module")
@@ -50,8 +50,8 @@ def test_paged_hf_rows_keep_the_laws_when_their_lengths_differ(paged_llama):
     testing.assert_ragged_extend_matches_full_forward(paged_llama, prompts, c, atol=2e-5)
     testing.assert_ragged_select_consistent(paged_llama, prompts, c, torch.tensor([2, 0, 2, 1]), atol=2e-5)
     testing.assert_ragged_truncate_consistent(paged_llama, prompts, c, [0, 11, 6], atol=2e-5)
-    # rows reading blocks of their own lengths, one of them the whole width
-    testing.assert_extend_rows_consistent(paged_llama, prompts, c, [2, 5, 1], atol=2e-5)
+    # rows reading blocks of their own lengths, one the whole width, one nothing
+    testing.assert_extend_rows_consistent(paged_llama, prompts, c, [2, 5, 0], atol=2e-5)
     # prompts sharing full blocks and not, of several lengths, one of them a single token
     prompts += [[3, 1, 4, 1, 5, 9, 2, 6, 5, 3], [8, 8, 8]]
     testing.assert_join_many_consistent(paged_llama, prompts, [2, 1, 3, 1, 2], continuation(64, rows=9), atol=2e-5)

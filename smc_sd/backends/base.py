@@ -102,7 +102,7 @@ class Sequences(abc.ABC):
 
         Args:
             tokens: [B, L] int64, L >= 1; columns past counts[b] are filler.
-            counts: [B] int64, 1 <= counts[b] <= L.
+            counts: [B] int64, 0 <= counts[b] <= L (0: the row reads nothing).
 
         Returns:
             [T, V] float32 logits packed row after row, T = sum(counts): entry
@@ -178,6 +178,16 @@ class Sequences(abc.ABC):
         or None for a backend that keeps no KV cache."""
         return None
 
+    def rows_memory(self, rows: torch.Tensor) -> dict | None:
+        """The KV bytes some rows hold now: `live_bytes` (storage they use, counted once where
+        they share it) and `naive_bytes` (what a full copy per row would take); None for a
+        backend that cannot tell one row's KV from another's.
+
+        Args:
+            rows: [R] int64 row indices.
+        """
+        return None
+
 
 def check_open(prompt: list[int], batch_size: int, max_length: int) -> None:
     """Refuse an `open` with an empty prompt, B < 1 or a prompt longer than the context.
@@ -212,13 +222,13 @@ def check_extend(tokens: torch.Tensor, batch_size: int, length: int, max_length:
 
 
 def check_counts(counts: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-    """Refuse `extend_rows` counts that are not [B] integers in 1 .. L for tokens [B, L];
+    """Refuse `extend_rows` counts that are not [B] integers in 0 .. L for tokens [B, L];
     returns them as int64 on the CPU."""
     if counts.ndim != 1 or counts.shape[0] != tokens.shape[0] or counts.is_floating_point() or counts.dtype == torch.bool:
         raise ValueError(f"counts must be [{tokens.shape[0]}] integers, got {tuple(counts.shape)} {counts.dtype}")
     counts = counts.to(torch.int64).cpu()
-    if counts.numel() and (int(counts.min()) < 1 or int(counts.max()) > tokens.shape[1]):
-        raise ValueError(f"counts must lie in 1 .. {tokens.shape[1]}, got {counts.tolist()}")
+    if counts.numel() and (int(counts.min()) < 0 or int(counts.max()) > tokens.shape[1]):
+        raise ValueError(f"counts must lie in 0 .. {tokens.shape[1]}, got {counts.tolist()}")
     return counts
 
 

@@ -188,6 +188,8 @@ class PagedHFSequences(Sequences):
         check_extend(tokens, self.batch_size, int((self._table.lengths + counts).max()) - tokens.shape[1], self._lm.max_length)
         if bool((counts == tokens.shape[1]).all()):
             return self.extend(tokens).flatten(0, 1)
+        if not bool(counts.any()):
+            return torch.empty(0, self._lm.vocabulary.size, device=self._lm.device)
         self._refuse_features("extend_rows")
         plan = self._kv.manager.append(self._table, tokens, counts)
         # [B, L]: the columns each row keeps
@@ -269,6 +271,10 @@ class PagedHFSequences(Sequences):
         """The pool's statistics as seen by these rows (`KVCacheManager.memory`)."""
         return self._kv.manager.memory(self._table)
 
+    def rows_memory(self, rows: torch.Tensor) -> dict:
+        """The bytes of the blocks these rows hold, each counted once (`KVCacheManager.rows_memory`)."""
+        return self._kv.manager.rows_memory(self._table, rows)
+
     def check_invariants(self) -> None:
         self._kv.manager.check_invariants(self._table)
 
@@ -320,7 +326,7 @@ class PagedHFSequences(Sequences):
 
         Args:
             tokens: [T] int64, T = sum(counts): every row's new tokens, row after row.
-            counts: [B] int64 new positions per row.
+            counts: [B] int64 new positions per row (0: the row reads nothing).
             copies: [C, 2] block copies the store makes first.
             slots: [T] int64 slots where the new positions' KV goes.
             keep: [J] int64 packed indices whose logits are wanted (None: all T).
@@ -329,16 +335,17 @@ class PagedHFSequences(Sequences):
             [T, V] float32 logits ([J, V] with `keep`).
         """
         manager, store, device = self._kv.manager, self._kv.store, self._lm.device
-        lengths = self._table.lengths
-        starts = lengths - counts
+        starts = self._table.lengths - counts
         # [T]: each new token's position in its row
         positions = torch.repeat_interleave(starts - counts.cumsum(0) + counts, counts) + torch.arange(int(counts.sum()))
-        # [sum lengths]: every row's slots, row after row
-        read = manager.slots(self._table)[torch.arange(int(lengths.max()))[None, :] < lengths[:, None]]
+        # the rows that read tokens: their keys, row after row ([sum lengths] slots)
+        reading = counts > 0
+        lengths = self._table.lengths[reading]
+        read = manager.slots(self._table, 0, int(lengths.max()))[reading][torch.arange(int(lengths.max()))[None, :] < lengths[:, None]]
         store.ensure_capacity(manager.pool.capacity)
         store.copy_blocks(copies)
         cache = paged_cache(store, int(starts.max()), slots[None].to(device), read[None].to(device))
-        spans = RowSpans.of(counts, lengths)
+        spans = RowSpans.of(counts[reading], lengths)
         logits = self._lm._forward_packed(tokens.to(device), positions.to(device), spans, cache, None if keep is None else keep.to(device))
         manager.commit(self._table, starts)
         return logits

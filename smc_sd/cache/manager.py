@@ -179,20 +179,21 @@ class KVCacheManager:
 
     def append(self, table: BlockTables, tokens: torch.Tensor, counts: torch.Tensor | None = None) -> AppendPlan:
         """Make room for `tokens` [B, L] int64 at the end of every row and record them; row b
-        gets its first counts[b] tokens (all L by default) at positions lengths[b] ..
-        lengths[b] + counts[b] - 1.
+        gets its first counts[b] tokens (all L by default; 0 leaves it as it is) at positions
+        lengths[b] .. lengths[b] + counts[b] - 1.
 
         Returns:
             The plan: block copies (copy on write of shared partial last blocks), then the slots
-            where the new positions' KV must be written (a column past counts[b] repeats row b's
-            last new slot: nothing is written there). Call `commit` once they are written.
+            where the new positions' KV must be written (-1 in a column past counts[b]: nothing
+            is written there). Call `commit` once they are written.
         """
         self._check_open(table)
         bs, old = self.block_size, table.lengths.clone()
         tokens = tokens.to(torch.int64).cpu()
         counts = torch.full_like(old, tokens.shape[1]) if counts is None else counts.to(torch.int64).cpu()
         copies = []
-        for b in (old % bs).nonzero().flatten().tolist():
+        # rows that write into a partial last block
+        for b in ((old % bs != 0) & (counts > 0)).nonzero().flatten().tolist():
             last = int(old[b]) // bs
             block = int(table.blocks[b, last])
             if self.pool.is_writable(block):
@@ -217,14 +218,17 @@ class KVCacheManager:
             taken = offsets[None, :] < count[:, None]
             rows = torch.arange(table.batch_size)[:, None].expand_as(taken)[taken]
             table.blocks[rows, (have[:, None] + offsets[None, :])[taken]] = fresh
-        # [B, L]: the column of tokens each position takes, past counts[b] the last one again
-        columns = torch.minimum(torch.arange(tokens.shape[1])[None, :], counts[:, None] - 1)
-        # [B, L]: the appended positions of every row
-        positions = old[:, None] + columns
-        table.tokens.scatter_(1, positions, tokens.gather(1, columns))
+        # [B, L]: the columns each row keeps, and every column's position in its row
+        real = torch.arange(tokens.shape[1])[None, :] < counts[:, None]
+        positions = old[:, None] + torch.arange(tokens.shape[1])[None, :]
+        table.tokens[real.nonzero(as_tuple=True)[0], positions[real]] = tokens[real]
         table.lengths = new_lengths
         self._record_peak(table)
-        return AppendPlan(torch.tensor(copies, dtype=torch.int64).view(-1, 2), self._slots_at(table, positions))
+        # [B, L]: the new positions' slots, -1 past each row's count
+        slots = torch.full_like(positions, -1)
+        if bool(real.any()):
+            slots[real] = self._slots_at(table, positions.masked_fill(~real, 0))[real]
+        return AppendPlan(torch.tensor(copies, dtype=torch.int64).view(-1, 2), slots)
 
     def commit(self, table: BlockTables, start) -> None:
         """Index the blocks that became full since length `start`, sharing equal ones.
@@ -313,6 +317,14 @@ class KVCacheManager:
             "peak_bytes": table.peak_live_blocks * self.bytes_per_block,
             "naive_peak_bytes": table.naive_peak_tokens * self.bytes_per_block // self.block_size,
         }
+
+    def rows_memory(self, table: BlockTables, rows: torch.Tensor) -> dict:
+        """The bytes some rows ([R] int64) hold: their distinct blocks (`live_bytes`) and their
+        positions as full copies (`naive_bytes`)."""
+        blocks = table.blocks[rows]
+        distinct = torch.unique(blocks[blocks != PAD]).numel()
+        positions = int(table.lengths[rows].sum())
+        return {"live_bytes": distinct * self.bytes_per_block, "naive_bytes": positions * self.bytes_per_block // self.block_size}
 
     def check_invariants(self, *tables: BlockTables) -> None:
         """Raise AssertionError if an invariant of the pool, the trie or the given open tables fails."""

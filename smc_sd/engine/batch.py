@@ -332,6 +332,8 @@ class BatchEngine:
                 self._leave(entry, None, RowsOfOneLengthError(ONE_LENGTH_REFUSAL))
                 continue
             if self._attempt(entry, entry.group.begin, logits, *bases):
+                g = entry.group
+                self._note_kv([g], [True], [self.table.target_row[g.seats()[1]]], [self.table.draft_row[g.live()] if g.has_draft else None])
                 self._finish_or_report(entry)
         return True
 
@@ -349,10 +351,10 @@ class BatchEngine:
             self._draft_passes(rows, entries, [r if use else None for r, use in zip(draft_rows, uses)], healthy)
         widths = [g.target_width() if ok else 1 for g, ok in zip(groups, healthy)]
         width = max(widths)
-        # [B_t, width]: last token, drafted block, EOS filler (one filler token on failed
-        # requests' rows); [B_t]: the tokens each row reads
+        # [B_t, width]: last token, drafted block, EOS filler; [B_t]: the tokens each row reads
+        # (none on failed requests' rows)
         feed = torch.full((self.target_rows.size, width), eos, dtype=torch.int64)
-        counts = torch.ones(self.target_rows.size, dtype=torch.int64)
+        counts = torch.zeros(self.target_rows.size, dtype=torch.int64)
         for g, ok, rows in zip(groups, healthy, target_rows):
             if ok:
                 tokens, read = g.target_feed()
@@ -363,6 +365,7 @@ class BatchEngine:
         logits = self.target_rows.extend(feed, counts)
         starts = torch.cat([torch.zeros(1, dtype=torch.int64), counts.cumsum(0)])
         self._totals["target_passes_total"] += 1
+        self._note_kv(groups, healthy, target_rows, draft_rows)
         for i, (e, g, rows) in enumerate(zip(entries, groups, target_rows)):
             if healthy[i]:
                 healthy[i] = self._attempt(e, g.verify, row_logits(logits, starts, rows, widths[i]))
@@ -372,11 +375,23 @@ class BatchEngine:
             if ok:
                 self._finish_or_report(e)
 
+    def _note_kv(self, groups: list[Group], healthy: list[bool], target_rows: list[torch.Tensor], draft_rows: list[torch.Tensor | None]) -> None:
+        """Each healthy request's KV now, at the widest point of its cycle (`Group.note_kv`):
+        its target rows and its draft's rows."""
+        draft_sets = {id(rows.lm): rows for rows in self.draft_sets}
+        for g, ok, rows, drafts in zip(groups, healthy, target_rows, draft_rows):
+            if ok and g.kv_peak is not None:
+                held = [self.target_rows.rows_memory(rows)]
+                if drafts is not None:
+                    held.append(draft_sets[id(g.plan.draft)].rows_memory(drafts))
+                g.note_kv(held)
+
     def _draft_passes(self, draft: RowSet, entries: list[_Entry], rows_of: list[torch.Tensor | None], healthy: list[bool]) -> None:
         """One draft model's passes: its rows read the tokens of their prefixes they have not
         read (the last two; more for an sd request whose last blocks were its free draft's),
-        then K_max passes of [B_d, 1] (K_max the largest K of the requests drafting with it this
-        cycle); request g draws at the first K_g. A request whose draw fails turns unhealthy.
+        then up to K_max passes of [B_d, 1] (K_max the largest K of the requests drafting with
+        it this cycle); request g's rows read and draw in the first K_g of them, other rows
+        read nothing. A request whose draw fails turns unhealthy.
 
         Args:
             rows_of: per running request its rows in `draft` ([A] int64), or None when it does
@@ -392,22 +407,24 @@ class BatchEngine:
             return
         width = max(tokens.shape[1] for tokens, _ in filter(None, feeds))
         # [B_d, width]: the tokens every drafting row has not read (the last two of its prefix,
-        # more after free-draft blocks), then EOS filler (all filler on other rows)
+        # more after free-draft blocks), then EOS filler; [B_d]: how many each row reads
         feed = torch.full((draft.size, width), eos, dtype=torch.int64)
-        # [B_d]: the column of each row's last fed token (one filler token on other rows)
-        last = torch.zeros(draft.size, dtype=torch.int64)
+        read = torch.zeros(draft.size, dtype=torch.int64)
         for f, rows in zip(feeds, rows_of):
             if f is not None:
                 tokens, counts = f
                 feed[rows, : tokens.shape[1]] = tokens
-                last[rows] = counts - 1
+                read[rows] = counts
         for j in range(k_max):
-            # [B_d, V]: the draft's logits after each row's last fed token
-            logits = draft.extend(feed, last + 1)[(last + 1).cumsum(0) - 1]
-            feed, last = torch.full((draft.size, 1), eos, dtype=torch.int64), torch.zeros_like(last)
+            if not bool(read.any()):
+                return
+            # [B_d, V]: the draft's logits after each reading row's last token (others: unused)
+            logits = draft.extend(feed, read)[(read.cumsum(0) - 1).clamp(min=0)]
+            feed, read = torch.full((draft.size, 1), eos, dtype=torch.int64), torch.zeros_like(read)
             for i, (e, g, rows) in enumerate(zip(entries, groups, rows_of)):
                 if healthy[i] and rows is not None and j < g.draft_len:
                     healthy[i] = self._attempt(e, self._draw, g, logits, rows, feed)
+                    read[rows] = int(healthy[i] and j + 1 < g.draft_len)
 
     @staticmethod
     def _draw(group: Group, logits: torch.Tensor, rows: torch.Tensor, feed: torch.Tensor) -> None:
@@ -429,11 +446,20 @@ class BatchEngine:
             self._report(entry)
             return
         try:
-            result = entry.group.result(kv_memory(self.target_rows, *self.draft_sets))
+            result = entry.group.result(self._request_kv(entry.group))
         except Exception as error:
             self._leave(entry, None, error)
             return
         self._leave(entry, result, None)
+
+    def _request_kv(self, group: Group) -> dict | None:
+        """A finishing request's KV statistics (`Result.kv`): the peaks of its own rows where the
+        backends attribute KV to rows (scope "request"), else the engine's rows at its end (scope
+        "engine": vLLM, llama.cpp, the static cache), or None without a KV cache."""
+        if group.kv_peak is not None:
+            return {"scope": "request", **group.kv_peak}
+        engine = kv_memory(self.target_rows, *self.draft_sets)
+        return None if engine is None else {"scope": "engine", **engine}
 
     def _reseat(self) -> None:
         reseat_groups(self.table, self.target_rows, self.draft_sets, [e.group for e in self._running])

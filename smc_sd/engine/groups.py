@@ -87,6 +87,8 @@ class Group:
         self.draft_passes = 0
         #: the free draft's proposer, for a request with a free draft
         self.free_drafter: FreeDrafter | None = None
+        #: the largest KV its rows held at once (`note_kv`); None once a backend cannot tell
+        self.kv_peak: dict | None = {"peak_bytes": 0, "naive_peak_bytes": 0}
 
     @property
     def draft_len(self) -> int:
@@ -101,6 +103,16 @@ class Group:
     @property
     def has_draft(self) -> bool:
         return self.plan.draft is not None
+
+    def note_kv(self, held: list[dict | None]) -> None:
+        """Fold the KV its rows hold now (`Sequences.rows_memory` of each model's rows) into
+        its peaks: `peak_bytes` of the storage (shared blocks once), `naive_peak_bytes` of full
+        copies per row."""
+        if any(h is None for h in held):
+            self.kv_peak = None
+            return
+        for peak, now in (("peak_bytes", "live_bytes"), ("naive_peak_bytes", "naive_bytes")):
+            self.kv_peak[peak] = max(self.kv_peak[peak], sum(h[now] for h in held))
 
     def live(self) -> torch.Tensor:
         """[A] int64 slots of the unfinished particles, in particle order (the rows' order)."""

@@ -70,7 +70,12 @@ class Result:
         draft_passes: draft forward calls.
         seconds: wall time of the run.
         decode: token ids to text.
-        kv: KV-cache bytes of target and draft together (`kv_memory`), or None without a KV cache.
+        kv: KV-cache bytes of target and draft together, or None without a KV cache:
+            `peak_bytes` (the most storage at once, shared blocks counted once) and
+            `naive_peak_bytes` (what full copies per row would have taken), of this request's
+            own rows (`scope` "request", the hf backend), or of the engine's rows at the
+            request's end where a backend cannot attribute KV to rows (`scope` "engine", with
+            `kv_memory`'s other fields).
         mask_seconds: wall time spent computing constraint masks (0 when unconstrained).
         mask_row_seconds: per mask call, its wall time over its live rows: seconds per
             particle-position, drafted positions included (empty when unconstrained).

@@ -89,6 +89,10 @@ class RowSet:
         """The rows' KV statistics (`Sequences.memory`), or None when none are held."""
         return None if self.rows is None else self.rows.memory()
 
+    def rows_memory(self, rows: torch.Tensor) -> dict | None:
+        """The KV some rows hold (`Sequences.rows_memory`), or None when the backend cannot tell."""
+        return None if self.rows is None else self.rows.rows_memory(rows)
+
     def close(self) -> None:
         if self.rows is not None:
             self.rows.close()
