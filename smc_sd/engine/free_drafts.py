@@ -25,10 +25,10 @@ tokens in expectation, and costs what the backend's pass over those L + 1 positi
 pass (`smc_sd.backends.pass_cost`). The drafter proposes the L that maximises E(L) per unit of
 cost; L = 0, a plain decode, wherever speculating does not pay. a_j is the running acceptance of
 d_j's source (forced tokens or lookup tokens), measured by one rule over the tokens each verify
-tested (`FreeDrafter.record`). A source the choice cuts is not tested, so its a_j would never
-change again: each cut instead moves its counts a step towards the prior (`FreeDrafter.relax`),
-and a source whose acceptance fell once is tried again after a while (about 15 cuts from a_j =
-0.14 to 0.3). L depends on the past only, never on the token a verify is about to draw, so every
+tested (`FreeDrafter.record`). A source the choice leaves wholly out is not tested, so its a_j
+would never change again: each such choice instead moves its counts a step towards the prior
+(`FreeDrafter.relax`), and a source whose acceptance fell once is tried again after a while
+(about 15 choices from a_j = 0.14 to 0.3). L depends on the past only, never on the token a verify is about to draw, so every
 method keeps its law.
 """
 
@@ -136,8 +136,9 @@ class FreeDrafter:
         if self.cost is not None:
             acceptance = [self.acceptance("forced")] * len(forced) + [self.acceptance("lookup")] * len(looked_up)
             proposal = proposal[: best_block_length(acceptance, self.cost, self.rows)]
-            for source, cut in (("forced", len(proposal) < len(forced)), ("lookup", len(proposal) < len(forced) + len(looked_up))):
-                if cut:
+            # a source the choice left wholly out is not tested this cycle
+            for source, untested in (("forced", forced and not proposal), ("lookup", looked_up and len(proposal) <= len(forced))):
+                if untested:
                     self.relax(source)
         self.chosen[len(proposal)] = self.chosen.get(len(proposal), 0) + 1
         return proposal, min(len(forced), len(proposal))
