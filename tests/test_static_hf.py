@@ -92,9 +92,14 @@ def test_compile_needs_the_static_cache(model):
         def _forward(self, *args, **kwargs):
             return 2 * super()._forward(*args, **kwargs)
 
+    class Masked(HFLanguageModel):
+        def _logits(self, cache, **inputs):
+            return super()._logits(cache, **inputs).clamp(max=0.0)
+
     # the static step would bypass the subclass's logits
-    with pytest.raises(ValueError, match="Rescaled changes its logits"):
-        Rescaled(model, tokenizer(64), kv_cache="static").open(PROMPT, 1)
+    for changed in (Rescaled, Masked):
+        with pytest.raises(ValueError, match=f"{changed.__name__} changes its logits"):
+            changed(model, tokenizer(64), kv_cache="static").open(PROMPT, 1)
 
 
 def exact_two_token_distribution(model) -> dict[tuple[int, ...], float]:

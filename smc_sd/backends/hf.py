@@ -183,7 +183,7 @@ class HFLanguageModel(LanguageModel):
         if self.compile and self.kv_cache != "static":
             raise ValueError(f"compile=True needs kv_cache='static', got kv_cache={self.kv_cache!r}")
         if self.kv_cache == "static":
-            if type(self)._logits is not HFLanguageModel._logits:
+            if type(self)._logits is not HFLanguageModel._logits or type(self)._forward is not HFLanguageModel._forward:
                 raise ValueError(f"kv_cache='static' runs the model's own head; {type(self).__name__} changes its logits")
             if self.compile not in self._static:
                 self._static[self.compile] = StaticRuntime(self.model, self._cache_kwarg, self.compile)
