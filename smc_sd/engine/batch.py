@@ -11,10 +11,12 @@ free slots of the `SlotTable`. One cycle (`step`):
    (block pointers, not KV), every row rolled back to its canonical length;
 3. each draft model reads the last two tokens of every prefix of its rows, then proposes in
    K_max passes of [B_d, 1] tokens, K_max the largest K among the requests drafting with it;
-   request g draws at the first K_g of them;
-4. the target reads [last token, block, EOS filler up to the widest block] of every row in ONE
-   pass; a block is K drafted tokens, or a free draft's proposal (`Group.target_width`: rows
-   read blocks of different lengths and keep what their verification accepted);
+   request g's rows read and draw in the first K_g of them (`Sequences.extend_rows`: a row
+   reads its own count of tokens, 0 for none);
+4. the target reads [last token, block] of every row in ONE pass, each row its own count; a
+   block is K drafted tokens, or a free draft's proposal (`Group.target_feed`: rows read
+   blocks of different lengths and keep what their verification accepted), and the pass's
+   logits come packed row after row (`rows.row_logits` gives each request its slice);
 5. each request verifies its slice of the logits with its own generator (`Group.verify`):
    weights, ESS, resampling among its own particles and log Z_hat, or accept/reject; requests
    that are done deliver their Result and leave, freeing their slots.
