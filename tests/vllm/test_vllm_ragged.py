@@ -51,6 +51,88 @@ def test_ragged_select_carries_lengths(vllm_lm, prompts, continuation, atol):
     testing.assert_ragged_select_consistent(vllm_lm, prompts, continuation, torch.tensor([2, 0, 2, 1]), atol)
 
 
+@pytest.mark.parametrize("counts", [[1, 4, 2], [0, 3, 4]], ids=["ragged", "one-row-reads-nothing"])
+def test_extend_rows_appends_each_rows_own_count(vllm_lm, prompts, continuation, atol, counts):
+    testing.assert_extend_rows_consistent(vllm_lm, prompts, continuation, counts, atol)
+
+
+def test_rows_holding_sessions_compute_only_their_new_tokens(vllm_lm, prompts, continuation):
+    """After one pass every row holds a session, so vLLM computes exactly the kept tokens; a fork's
+    second copy has none and recomputes what its full blocks do not cover."""
+    rows = testing.open_ragged(vllm_lm, prompts, atol=float("inf"))
+    rows.extend(continuation[:, :1])
+    computed = lambda: vllm_lm.prompt_tokens - vllm_lm.cached_tokens  # noqa: E731
+    before = computed()
+    rows.extend_rows(continuation[:, 1:4], torch.tensor([1, 3, 2]))
+    assert computed() - before == 6
+    rows.select(torch.tensor([0, 0, 1, 2]))
+    before = computed()
+    rows.extend_rows(continuation[[0, 0, 1, 2], 4:5], torch.tensor([1, 1, 1, 1]))
+    # three sessions compute one token each; the copy computes its tail past its last full block
+    block = vllm_lm.options.block_size
+    tail = rows.lengths[1].item() % block or block
+    assert computed() - before == 3 + tail
+    rows.close()
+
+
+def test_rolled_back_rows_keep_their_sessions(vllm_lm, prompts, continuation, atol):
+    """A row shortened by truncate_rows (a rejected draft) keeps its session, rolled back: the
+    next extend computes only its new token, and its logits are the shortened row's own."""
+    rows = testing.open_ragged(vllm_lm, prompts[:2], atol)
+    filler = torch.arange(3000, 3040).repeat(2, 1)
+    rows.extend(filler)
+    # row 0 back into a block it filled, row 1 back to a block boundary's far side
+    lengths = [len(prompts[0]) + 3, len(prompts[1]) + 37]
+    rows.truncate_rows(torch.tensor(lengths))
+    before = vllm_lm.prompt_tokens - vllm_lm.cached_tokens
+    logits = rows.extend(continuation[:2, :1])
+    assert vllm_lm.prompt_tokens - vllm_lm.cached_tokens - before == 2
+    for b, (prompt, length) in enumerate(zip(prompts, lengths)):
+        prefix = prompt + filler[b, : length - len(prompt)].tolist() + continuation[b, :1].tolist()
+        torch.testing.assert_close(logits[b, 0], testing.fresh_logits(vllm_lm, prefix), atol=atol, rtol=0)
+    rows.close()
+
+
+def test_rolling_back_into_a_shared_block_leaves_the_sharer_intact(vllm_lm, prompts, continuation, atol):
+    """A fork's copy reads its source's full blocks from the prefix cache; the source rolled back
+    into one of them must not write over it (it opens a new session instead)."""
+    rows, _ = vllm_lm.open(prompts[0], 1)
+    filler = torch.arange(4000, 4064)[None, :]
+    rows.extend(filler)
+    rows.select(torch.tensor([0, 0]))
+    rows.extend(continuation[:2, :1])
+    # into a full block both rows now hold (the copy read it from the prefix cache)
+    cut = len(prompts[0]) + 10
+    rows.truncate_rows(torch.tensor([cut, rows.lengths[1].item()]))
+    before = vllm_lm.prompt_tokens - vllm_lm.cached_tokens
+    logits = rows.extend(continuation[:2, 1:2])
+    # the copy computes its one token; the source, in a new session, its tail past its last full block
+    assert vllm_lm.prompt_tokens - vllm_lm.cached_tokens - before == 1 + cut % vllm_lm.options.block_size + 1
+    shared = prompts[0] + filler[0].tolist()
+    expected = [shared[:cut] + continuation[0, 1:2].tolist(), shared + continuation[1, :2].tolist()]
+    for b in range(2):
+        torch.testing.assert_close(logits[b, 0], testing.fresh_logits(vllm_lm, expected[b]), atol=atol, rtol=0)
+    rows.close()
+
+
+def test_sessions_beyond_the_engines_slots_end_the_idle_ones(vllm_lm, atol):
+    """More rows than vLLM has request slots: idle sessions end as needed, and every row's
+    logits are still its own."""
+    slots = vllm_lm.options.max_num_seqs
+    prompts = [[1000 + k, 2000 + k] for k in range(slots + 8)]
+    rows, _ = vllm_lm.open([1, 2, 3], 1)
+    joined = rows.join_many(prompts, [1] * len(prompts))
+    assert len(vllm_lm._sessions) <= slots
+    for k in (0, slots // 2, len(prompts) - 1):
+        torch.testing.assert_close(joined[k], testing.fresh_logits(vllm_lm, prompts[k]), atol=atol, rtol=0)
+    logits = rows.extend(torch.full((rows.batch_size, 1), 7))
+    for b in (1, rows.batch_size - 1):
+        torch.testing.assert_close(logits[b, 0], testing.fresh_logits(vllm_lm, prompts[b - 1] + [7]), atol=atol, rtol=0)
+    held = [session for session in rows._sessions if session is not None]
+    rows.close()
+    assert held and not any(session in vllm_lm._sessions for session in held)
+
+
 def test_join_many_is_joining_one_by_one(vllm_lm, prompts, continuation, atol):
     rows = torch.cat([continuation[:1], continuation, continuation[2:]])
     testing.assert_join_many_consistent(vllm_lm, prompts, [2, 1, 2], rows, atol)
@@ -60,9 +142,9 @@ def test_join_many_runs_its_prompts_in_one_vllm_call(vllm_lm, prompts, monkeypat
     rows, _ = vllm_lm.open(prompts[0], 1)
     calls, run = [], vllm_lm._run
 
-    def counted(requests, last):
+    def counted(requests, *args, **options):
         calls.append(len(requests))
-        return run(requests, last)
+        return run(requests, *args, **options)
 
     monkeypatch.setattr(vllm_lm, "_run", counted)
     # prompts never sent before: nothing of their last positions is cached
