@@ -9,7 +9,6 @@ position, so the q in every weight and acceptance test is exactly the distributi
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 

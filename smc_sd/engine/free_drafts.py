@@ -28,8 +28,8 @@ d_j's source (forced tokens or lookup tokens), measured by one rule over the tok
 tested (`FreeDrafter.record`). A source the choice leaves wholly out is not tested, so its a_j
 would never change again: each such choice instead moves its counts a step towards the prior
 (`FreeDrafter.relax`), and a source whose acceptance fell once is tried again after a while
-(about 15 choices from a_j = 0.14 to 0.3). L depends on the past only, never on the token a verify is about to draw, so every
-method keeps its law.
+(about 15 choices from a_j = 0.14 to 0.3). L depends on the past only, never on the token a
+verify is about to draw, so every method keeps its law.
 """
 
 from __future__ import annotations
