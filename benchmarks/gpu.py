@@ -1,4 +1,5 @@
-"""The library's engine end to end on the compiled static-KV hf path, with real-sized random models.
+"""The library's engine end to end on a GPU, with real-sized random models: the compiled
+static-KV hf path at batch 1 and the batched engine on the paged hf path.
 
 No weights travel to the GPU machine and timing does not depend on weight values, so the target
 is a Llama-3.1-8B-shaped and the draft a Llama-3.2-1B-shaped model with random bf16 weights built
@@ -9,9 +10,9 @@ prompt, 256 new tokens. Settings: ar, exact sd at K = 4, smc-sd at N in {4, 8, 1
 each run through `Program.run` (the engine, unchanged) after an untimed short run that compiles
 its shapes (its wall time is warmup_seconds; shapes compiled for an earlier setting are reused).
 
-The engine draws its random numbers on the host (its generator is a CPU one), so every forward's
-logits cross to the host (`host_logits`): one device-to-host copy and sync per forward, included
-in the timings. Per setting:
+The engine draws its random numbers on the host (its generators are CPU ones), so every forward's
+logits cross to the host (`smc_sd.engine.rows`): one device-to-host copy and sync per forward,
+included in the timings. Per setting:
 - cycle_ms: the median time between consecutive cycles of the timed run (one target pass each);
 - forward_ms: the median time of the same cycle's backend calls alone (K draft steps [N, 1], the
   verify [N, K + 1], a resampling row gather), logits left on the device: what a cycle kept on the
@@ -26,10 +27,23 @@ in the timings. Per setting:
   head, since a step reads only N of their rows) and the KV of the live positions (mean length
   prompt + new / 2) of every row, once per forward; bandwidth is measured here by a device copy
   (bytes read + bytes written per second). forward_roofline_fraction is the same for forward_ms.
+The batched engine (`batched` in the JSON): `Program.run_many` over `--batch` random prompts of
+`--prompt-len` tokens, `--batched-tokens` new tokens each, the same models as paged
+`HFLanguageModel`s (eager: no compile, rows of different lengths packed into one forward), after
+an untimed run of two prompts. Rows: ar on one prompt alone, ar on all, smc-sd N=4 K=4 on all;
+output tokens per second over the wall time (prefill included) and the ratios between them.
+smc-sd's tokens do not depend on acceptance (every particle advances K + 1 per cycle).
+
 Before timing, correctness checks run on the device at tiny size in fp32: compiled vs eager
-logits of the static step (within 1e-4) and the backend laws of `smc_sd.testing`.
+logits of the static step (within 1e-4) and the backend laws of `smc_sd.testing` for the static
+and the paged rows; a path whose checks fail is not timed (the JSON says why).
+
+Sections run in this order: checks, the batched engine, the static settings while `--budget`
+seconds last (later ones are listed as skipped). With `--out PATH` the
+JSON is also written to PATH after every row, so a run cut short leaves what it measured.
 
 Usage: python benchmarks/gpu.py [--shapes 8b|tiny] [--device cuda|cpu] [--acceptance A] [--settings "sd K=4,smc-sd N=8 K=4"]
+                                [--batch 16] [--budget SECONDS] [--out PATH]
 (`--shapes tiny --device cpu` is a smoke run of the whole script, 28-127 s on this project's CPU; only a
 CUDA run writes benchmarks/results/gpu.json.)
 """
@@ -42,6 +56,7 @@ import pathlib
 import statistics
 import sys
 import time
+import traceback
 
 import torch
 
@@ -106,45 +121,6 @@ def static_lm(model, compile: bool, static_length: int):
     return HFLanguageModel(model, tokenizer, kv_cache="static", compile=compile, static_length=static_length)
 
 
-def host_logits(lm):
-    """`lm` with every logits tensor copied to the host, where the engine draws its random numbers."""
-    from smc_sd.backends.base import LanguageModel, Sequences
-
-    class HostRows(Sequences):
-        def __init__(self, rows):
-            self.rows = rows
-
-        batch_size = property(lambda self: self.rows.batch_size)
-        length = property(lambda self: self.rows.length)
-
-        def extend(self, tokens):
-            # one device-to-host copy, which waits for the forward: the cycle's host sync
-            return self.rows.extend(tokens).cpu()
-
-        def select(self, rows):
-            self.rows.select(rows)
-
-        def truncate(self, length):
-            self.rows.truncate(length)
-
-        def close(self):
-            self.rows.close()
-
-        def memory(self):
-            return self.rows.memory()
-
-    class HostLM(LanguageModel):
-        tokenizer = lm.tokenizer
-        vocabulary = lm.vocabulary
-        max_length = lm.max_length
-
-        def open(self, prompt, batch_size):
-            rows, logits = lm.open(prompt, batch_size)
-            return HostRows(rows), logits.cpu()
-
-    return HostLM()
-
-
 def device_name(device: str) -> str:
     """The GPU's name, or the processor's model name as lscpu reports it."""
     if device.startswith("cuda"):
@@ -174,43 +150,73 @@ def copy_bandwidth(device: str, megabytes: int) -> float:
     return 2 * source.numel() / statistics.median(times[2:])
 
 
-def check_correctness(device: str) -> dict:
-    """Compiled vs eager logits of the static step and the backend laws, tiny fp32 Llama on `device`.
+CHECK_ATOL = 1e-4
+CHECK_CONFIG = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                    num_key_value_heads=2, vocab_size=64)
 
-    Raises:
-        SystemExit: if a check fails (nothing is timed then).
-    """
+
+def run_laws(laws: dict) -> dict:
+    """Run each law; {"passed": whether all held, "laws": their names, "failed": {name: error}}."""
+    failed = {}
+    for name, law in laws.items():
+        try:
+            law()
+        except Exception as error:  # a law that raises anything has not held on this device
+            failed[name] = f"{type(error).__name__}: {error}"
+    return {"passed": not failed, "laws": sorted(laws), "failed": failed, "atol": CHECK_ATOL}
+
+
+def check_static(device: str) -> dict:
+    """Compiled vs eager logits of the static step and the backend laws, tiny fp32 Llama on `device`."""
     from smc_sd import testing
 
-    config = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, vocab_size=64)
-    model = build(config, device, torch.float32, seed=1)
+    model = build(CHECK_CONFIG, device, torch.float32, seed=1)
     eager, compiled = static_lm(model, False, 64), static_lm(model, True, 64)
     prompt = [5, 3, 9, 1, 7]
     # [2, 6] int64 continuation rows
     tokens = torch.randint(64, (2, 6), generator=torch.Generator().manual_seed(2))
-    rows = [lm.open(prompt, 2)[0] for lm in (eager, compiled)]
-    deviation = 0.0
-    for chunk in (tokens[:, :3], tokens[:, 3:]):
-        logits = [r.extend(chunk) for r in rows]
-        deviation = max(deviation, (logits[0] - logits[1]).abs().max().item())
+    deviation = []
+
+    def compiled_matches_eager():
+        rows = [lm.open(prompt, 2)[0] for lm in (eager, compiled)]
+        for chunk in (tokens[:, :3], tokens[:, 3:]):
+            logits = [r.extend(chunk) for r in rows]
+            deviation.append((logits[0] - logits[1]).abs().max().item())
+            for r in rows:
+                r.select(torch.tensor([1, 0]))
         for r in rows:
-            r.select(torch.tensor([1, 0]))
-    for r in rows:
-        r.close()
-    if not deviation <= 1e-4:
-        raise SystemExit(f"gpu.py: compiled logits differ from eager ones by {deviation:.3g} > 1e-4")
-    laws = {
-        "extend_matches_full_forward": lambda: testing.assert_extend_matches_full_forward(eager, prompt, tokens, 1e-4),
-        "select_consistent": lambda: testing.assert_select_consistent(eager, prompt, tokens, torch.tensor([1, 1, 0]), 1e-4),
-        "truncate_consistent": lambda: testing.assert_truncate_consistent(eager, prompt, tokens, 2, 1e-4),
-    }
-    for name, law in laws.items():
-        try:
-            law()
-        except AssertionError as error:
-            raise SystemExit(f"gpu.py: backend law {name} fails on {device}: {error}")
-    return {"compiled_vs_eager_max_abs": deviation, "laws_passed": sorted(laws), "atol": 1e-4}
+            r.close()
+        assert max(deviation) <= CHECK_ATOL, f"compiled logits differ from eager ones by {max(deviation):.3g}"
+
+    checks = run_laws({
+        "compiled_matches_eager": compiled_matches_eager,
+        "extend_matches_full_forward": lambda: testing.assert_extend_matches_full_forward(eager, prompt, tokens, CHECK_ATOL),
+        "select_consistent": lambda: testing.assert_select_consistent(eager, prompt, tokens, torch.tensor([1, 1, 0]), CHECK_ATOL),
+        "truncate_consistent": lambda: testing.assert_truncate_consistent(eager, prompt, tokens, 2, CHECK_ATOL),
+    })
+    return {**checks, "compiled_vs_eager_max_abs": max(deviation, default=None)}
+
+
+def check_paged(device: str) -> dict:
+    """The laws of rows of different lengths (packed forwards, joins, rollbacks) for the paged
+    rows of a tiny fp32 Llama on `device`, with blocks of 2 positions so prompts share some."""
+    from smc_sd import testing
+    from smc_sd.backends.hf import HFLanguageModel
+
+    model = build(CHECK_CONFIG, device, torch.float32, seed=1)
+    lm = HFLanguageModel(model, RandomTokenizer(64), kv_cache="paged", block_size=2)
+    prompts = [[3, 1, 4, 1, 5], [3, 1, 4, 1, 9, 2, 6, 5], [7]]
+    # [3, 6] and [9, 6] int64 continuation rows
+    tokens = torch.randint(64, (3, 6), generator=torch.Generator().manual_seed(2))
+    more = torch.randint(64, (9, 6), generator=torch.Generator().manual_seed(3))
+    return run_laws({
+        "ragged_extend_matches_full_forward": lambda: testing.assert_ragged_extend_matches_full_forward(lm, prompts, tokens, CHECK_ATOL),
+        "ragged_select_consistent": lambda: testing.assert_ragged_select_consistent(lm, prompts, tokens, torch.tensor([2, 0, 2, 1]), CHECK_ATOL),
+        "ragged_truncate_consistent": lambda: testing.assert_ragged_truncate_consistent(lm, prompts, tokens, [0, 11, 6], CHECK_ATOL),
+        "extend_rows_consistent": lambda: testing.assert_extend_rows_consistent(lm, prompts, tokens, [2, 5, 0], CHECK_ATOL),
+        "join_many_consistent": lambda: testing.assert_join_many_consistent(
+            lm, prompts + [[3, 1, 4, 1, 5, 9, 2, 6, 5, 3], [8, 8, 8]], [2, 1, 3, 1, 2], more, CHECK_ATOL),
+    })
 
 
 def read_bytes(model, rows: int, positions: float) -> float:
@@ -230,7 +236,7 @@ def time_engine(method: str, target, draft, particles: int, draft_len: int, prom
     from smc_sd import Schedule
 
     options = {"draft_len": draft_len} if draft_len else {}
-    program = build_program(method, host_logits(target), host_logits(draft), **options)
+    program = build_program(method, target, draft, **options)
     started = time.perf_counter()
     program.run(prompt, Schedule(particles, max_tokens=3 * (draft_len + 1) + 2), seed=1)
     warmup = time.perf_counter() - started
@@ -274,6 +280,25 @@ def time_forwards(method: str, target, draft, particles: int, draft_len: int, pr
     return statistics.median(times)
 
 
+# the batched engine's rows: (label, method, N, K, how many of the prompts)
+BATCHED = (("ar B=1", "ar", 1, 0, 1), ("ar", "ar", 1, 0, None), ("smc-sd N=4 K=4", "smc-sd", 4, 4, None))
+
+
+def time_batched(method: str, target, draft, particles: int, draft_len: int, prompts: list[list[int]], new_tokens: int) -> dict:
+    """`Program.run_many` over all the prompts at once, after an untimed short run over two of them."""
+    from smc_sd import Schedule
+
+    options = {"draft_len": draft_len} if draft_len else {}
+    program = build_program(method, target, draft, **options)
+    program.run_many(prompts[:2], Schedule(particles, max_tokens=2 * (draft_len + 1) + 2), seeds=[1, 2][: len(prompts)])
+    started = time.perf_counter()
+    results = program.run_many(prompts, Schedule(particles, max_tokens=new_tokens), seeds=list(range(len(prompts))), max_running=len(prompts))
+    seconds = time.perf_counter() - started
+    generated = sum(len(r.tokens) for r in results)
+    return {"requests": len(prompts), "seconds": seconds, "generated": generated, "tokens_per_second": generated / seconds,
+            "cycles": max(len(r.cycles) for r in results)}
+
+
 def expected_sd_tokens(acceptance: float, draft_len: int) -> float:
     """E[tokens per sd cycle] = (1 - a^(K+1)) / (1 - a) for i.i.d. acceptance a (Leviathan et al.)."""
     return (1 - acceptance ** (draft_len + 1)) / (1 - acceptance)
@@ -296,6 +321,50 @@ def default_acceptance() -> tuple[float | None, str]:
     return value, f"{ACCEPTANCE_FILE.relative_to(RESULTS.parent.parent)}: the distilled draft's held-out acceptance (1 - TV) against SmolLM2-135M, measured on CPU"
 
 
+def static_row(label: str, method: str, n: int, k: int, models: dict, prompt: list[int], args, acceptance: float,
+               mean_positions: float, bandwidth: float) -> dict:
+    """One static setting timed through the engine and as bare forwards (the module docstring's fields)."""
+    target, draft = models["static"]
+    engine = time_engine(method, target, draft, n, k, prompt, args.new_tokens)
+    forward_ms = time_forwards(method, target, draft, n, k, prompt, args.device, args.iters)
+    tokens = {"ar": 1.0, "sd": expected_sd_tokens(acceptance, k), "smc-sd": float(k + 1)}[method]
+    cycle_bytes = read_bytes(models["target"], n, mean_positions) + k * read_bytes(models["draft"], n, mean_positions)
+    floor_ms = 1000 * cycle_bytes / bandwidth
+    print(f"gpu.py: {label}: cycle {engine['cycle_ms']:.2f} ms, forwards {forward_ms:.2f} ms", file=sys.stderr, flush=True)
+    return {
+        "label": label, "method": method, "particles": n, "draft_len": k, **engine,
+        "forward_ms": forward_ms, "tokens_per_cycle": tokens,
+        "tokens_per_second": 1000 * tokens / engine["cycle_ms"],
+        "forward_tokens_per_second": 1000 * tokens / forward_ms,
+        "bytes_per_cycle": cycle_bytes, "roofline_ms": floor_ms,
+        "roofline_fraction": floor_ms / engine["cycle_ms"], "forward_roofline_fraction": floor_ms / forward_ms,
+    }
+
+
+def batched_section(models: dict, args, vocab: int) -> dict:
+    """The batched engine's rows (`BATCHED`) on the paged models, and their ratios."""
+    from smc_sd.backends.hf import HFLanguageModel
+
+    paged = [HFLanguageModel(models[name], RandomTokenizer(vocab)) for name in ("target", "draft")]
+    generator = torch.Generator().manual_seed(1)
+    # [batch] random prompts of prompt_len ids below EOS
+    prompts = torch.randint(vocab - 1, (args.batch, args.prompt_len), generator=generator).tolist()
+    rows = []
+    for label, method, n, k, count in BATCHED:
+        if args.device.startswith("cuda"):
+            torch.cuda.reset_peak_memory_stats()
+        row = {"label": label, "method": method, "particles": n, "draft_len": k,
+               **time_batched(method, *paged, n, k, prompts[:count], args.batched_tokens)}
+        if args.device.startswith("cuda"):
+            row["peak_gpu_bytes"] = torch.cuda.max_memory_allocated()
+        print(f"gpu.py: batched {label}: {row['tokens_per_second']:.1f} tokens/s over {row['requests']} requests", file=sys.stderr, flush=True)
+        rows.append(row)
+    alone, ar, smc = rows
+    return {"batch": args.batch, "new_tokens": args.batched_tokens, "kv_cache": "paged", "rows": rows,
+            "ar_batched_over_alone": ar["tokens_per_second"] / alone["tokens_per_second"],
+            "smc-sd_over_ar_batched": smc["tokens_per_second"] / ar["tokens_per_second"]}
+
+
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -305,6 +374,10 @@ def main(argv=None) -> dict:
     parser.add_argument("--acceptance", type=float, default=None, help="sd's per-token acceptance a (default: from draft_quality.json)")
     parser.add_argument("--iters", type=int, default=10, help="timed repetitions of each cycle's forwards")
     parser.add_argument("--settings", default=None, help="comma-separated labels to run (default: all; ar is always run)")
+    parser.add_argument("--batch", type=int, default=16, help="requests the batched engine runs at once (0: skip it)")
+    parser.add_argument("--batched-tokens", type=int, default=128, help="new tokens per request in the batched engine")
+    parser.add_argument("--budget", type=float, default=None, help="seconds after which the remaining static settings are skipped")
+    parser.add_argument("--out", default=None, help="also write the JSON here, after every row")
     parser.add_argument("--no-write", action="store_true", help="print JSON only (a CPU run never writes)")
     args = parser.parse_args(argv)
     chosen = settings()
@@ -315,69 +388,66 @@ def main(argv=None) -> dict:
         chosen = {label: setting for label, setting in chosen.items() if label in wanted}
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         parser.error("no CUDA device here; use --shapes tiny --device cpu for a smoke run")
+    if args.batch < 0 or args.batched_tokens < 1:
+        parser.error("--batch must be 0 or more and --batched-tokens 1 or more")
     shapes_name = args.shapes or ("8b" if args.device.startswith("cuda") else "tiny")
     acceptance, source = (args.acceptance, "--acceptance") if args.acceptance is not None else default_acceptance()
     if acceptance is None or not 0 <= acceptance < 1:
         parser.error(f"sd needs an acceptance in [0, 1) (--acceptance; {ACCEPTANCE_FILE} is {source})")
 
     started = time.perf_counter()
-    checks = check_correctness(args.device)
     dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32
     shapes = SHAPES[shapes_name]
-    target_model = build(shapes["target"], args.device, dtype, seed=0)
-    draft_model = build(shapes["draft"], args.device, dtype, seed=1)
+    data = {
+        "benchmark": "gpu", "device": device_name(args.device), "shapes": shapes_name,
+        "target": shapes["names"][0], "draft": shapes["names"][1], "dtype": str(dtype).removeprefix("torch."),
+        "batch": 1, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
+        "acceptance": acceptance, "acceptance_source": source, "environment": environment(),
+        "checks": {"static": check_static(args.device), "paged": check_paged(args.device)},
+        "rows": [], "skipped": [],
+    }
+
+    def save() -> None:
+        data["wall_seconds"] = time.perf_counter() - started
+        if args.out:
+            pathlib.Path(args.out).write_text(json.dumps(data, indent=1) + "\n")
+
+    save()
+    models = {"target": build(shapes["target"], args.device, dtype, seed=0), "draft": build(shapes["draft"], args.device, dtype, seed=1)}
     # S: the prompt, the budget and one block of slack, as a multiple of 128
     capacity = -(-(args.prompt_len + args.new_tokens + max(DRAFT_LENS) + 2) // 128) * 128
-    target, draft = static_lm(target_model, True, capacity), static_lm(draft_model, True, capacity)
+    models["static"] = (static_lm(models["target"], True, capacity), static_lm(models["draft"], True, capacity))
     bandwidth = copy_bandwidth(args.device, 1024 if args.device.startswith("cuda") else 256)
+    data.update(static_length=capacity, bandwidth_bytes_per_second=bandwidth)
     # [prompt_len] random ids below EOS
     prompt = torch.randint(shapes["target"]["vocab_size"] - 1, (args.prompt_len,), generator=torch.Generator().manual_seed(0)).tolist()
     mean_positions = args.prompt_len + args.new_tokens / 2
-
-    rows = []
-    for label, (method, n, k) in chosen.items():
-        engine = time_engine(method, target, draft, n, k, prompt, args.new_tokens)
-        forward_ms = time_forwards(method, target, draft, n, k, prompt, args.device, args.iters)
-        tokens = {"ar": 1.0, "sd": expected_sd_tokens(acceptance, k), "smc-sd": float(k + 1)}[method]
-        cycle_bytes = read_bytes(target_model, n, mean_positions) + k * read_bytes(draft_model, n, mean_positions)
-        floor_ms = 1000 * cycle_bytes / bandwidth
-        rows.append({
-            "label": label, "method": method, "particles": n, "draft_len": k, **engine,
-            "forward_ms": forward_ms, "tokens_per_cycle": tokens,
-            "tokens_per_second": 1000 * tokens / engine["cycle_ms"],
-            "forward_tokens_per_second": 1000 * tokens / forward_ms,
-            "bytes_per_cycle": cycle_bytes, "roofline_ms": floor_ms,
-            "roofline_fraction": floor_ms / engine["cycle_ms"], "forward_roofline_fraction": floor_ms / forward_ms,
-        })
-        print(f"gpu.py: {label}: cycle {engine['cycle_ms']:.2f} ms, forwards {forward_ms:.2f} ms", file=sys.stderr, flush=True)
-    ar = rows[0]
-    for r in rows:
-        r["speedup_vs_ar"] = r["tokens_per_second"] / ar["tokens_per_second"]
-        r["forward_speedup_vs_ar"] = r["forward_tokens_per_second"] / ar["forward_tokens_per_second"]
-    smc = [r for r in rows if r["method"] == "smc-sd"]
-    top = max(smc, key=lambda r: r["tokens_per_second"]) if smc else None
-    data = {
-        "benchmark": "gpu",
-        "device": device_name(args.device),
-        "shapes": shapes_name,
-        "target": shapes["names"][0],
-        "draft": shapes["names"][1],
-        "dtype": str(dtype).removeprefix("torch."),
-        "batch": 1,
-        "prompt_len": args.prompt_len,
-        "new_tokens": args.new_tokens,
-        "static_length": capacity,
-        "acceptance": acceptance,
-        "acceptance_source": source,
-        "bandwidth_bytes_per_second": bandwidth,
-        "checks": checks,
+    # the batched engine first (eager: its time is foreseeable), then the static settings while the budget lasts
+    if args.batch and data["checks"]["paged"]["passed"]:
+        try:
+            data["batched"] = batched_section(models, args, shapes["target"]["vocab_size"])
+        except Exception as error:  # recorded, so that the static settings still run
+            traceback.print_exc()
+            data["batched"] = {"error": f"{type(error).__name__}: {error}"}
+        save()
+    for label in chosen:
+        if not data["checks"]["static"]["passed"] or (args.budget is not None and time.perf_counter() - started > args.budget):
+            data["skipped"].append(label)
+            continue
+        data["rows"].append(static_row(label, *chosen[label], models, prompt, args, acceptance, mean_positions, bandwidth))
+        save()
+    rows = data["rows"]
+    if rows and rows[0]["label"] == "ar":
+        ar = rows[0]
         # the memory floor of one ar step (one target forward at batch 1)
-        "floor": {"ms": ar["roofline_ms"], "bytes": ar["bytes_per_cycle"], "bandwidth_bytes_per_second": bandwidth},
-        "environment": environment(),
-        "rows": rows,
-        "best": {"smc-sd_vs_ar": top["speedup_vs_ar"], "label": top["label"]} if top else None,
-        "wall_seconds": time.perf_counter() - started,
-    }
+        data["floor"] = {"ms": ar["roofline_ms"], "bytes": ar["bytes_per_cycle"], "bandwidth_bytes_per_second": bandwidth}
+        for r in rows:
+            r["speedup_vs_ar"] = r["tokens_per_second"] / ar["tokens_per_second"]
+            r["forward_speedup_vs_ar"] = r["forward_tokens_per_second"] / ar["forward_tokens_per_second"]
+    smc = [r for r in rows if r["method"] == "smc-sd" and "speedup_vs_ar" in r]
+    top = max(smc, key=lambda r: r["tokens_per_second"]) if smc else None
+    data["best"] = {"smc-sd_vs_ar": top["speedup_vs_ar"], "label": top["label"]} if top else None
+    save()
     emit("gpu", data, write=args.device.startswith("cuda") and not args.no_write)
     return data
 

@@ -5,6 +5,10 @@ request to join opens them (`LanguageModel.open`), later ones `join`, and the ro
 reseat leaves none. The engine numbers rows itself (`SlotTable.target_row`, `draft_row`), so
 the only operations are: join rows at the end, extend every row (each by its own count of tokens), and `reseat`, which makes the
 rows a chosen list of old rows at chosen lengths.
+
+Logits reach the engine on the host: the engine draws with CPU generators (a request's sample
+for a seed is the same whatever the device), so a model on a GPU costs one device-to-host copy
+of each pass's logits, and none on the CPU.
 """
 
 from __future__ import annotations
@@ -49,12 +53,12 @@ class RowSet:
         if not prompts:
             return []
         if self.rows is not None:
-            return self.rows.join_many(prompts, counts)
+            return [logits.cpu() for logits in self.rows.join_many(prompts, counts)]
         self.rows, first = self.lm.open(prompts[0], counts[0])
         if len(prompts) == 1:
-            return [first]
+            return [first.cpu()]
         try:
-            return [first] + self.rows.join_many(prompts[1:], counts[1:])
+            return [first.cpu()] + [logits.cpu() for logits in self.rows.join_many(prompts[1:], counts[1:])]
         except NotImplementedError:
             self.close()
             raise
@@ -62,7 +66,7 @@ class RowSet:
     def extend(self, tokens: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """`Sequences.extend_rows` over every row: row b reads its first counts[b] of tokens
         [B, L]; logits [sum(counts), V] float32, packed row after row (`row_logits` reads them)."""
-        return self.rows.extend_rows(tokens, counts)
+        return self.rows.extend_rows(tokens, counts).cpu()
 
     def keep_first(self, count: int) -> None:
         """Drop every row from `count` on (undo a join)."""
