@@ -32,6 +32,9 @@ The batched engine (`batched` in the JSON): `Program.run_many` over `--batch` ra
 `HFLanguageModel`s (eager: no compile, rows of different lengths packed into one forward), after
 an untimed run of two prompts. Rows: ar on one prompt alone, ar on all, smc-sd N=4 K=4 on all;
 output tokens per second over the wall time (prefill included) and the ratios between them.
+Beside them `bare_pass_ms`: one synchronised [B, 1] target pass on the paged and on the copy cache
+at B = 1 and 16, the backend's cost before the engine's host work (`--host-threads` sets the
+torch threads of that host work).
 smc-sd's tokens do not depend on acceptance (every particle advances K + 1 per cycle).
 
 Before timing, correctness checks run on the device at tiny size in fp32: compiled vs eager
@@ -43,7 +46,7 @@ seconds last (later ones are listed as skipped). With `--out PATH` the
 JSON is also written to PATH after every row, so a run cut short leaves what it measured.
 
 Usage: python benchmarks/gpu.py [--shapes 8b|tiny] [--device cuda|cpu] [--acceptance A] [--settings "sd K=4,smc-sd N=8 K=4"]
-                                [--batch 16] [--budget SECONDS] [--out PATH]
+                                [--batch 16] [--budget SECONDS] [--host-threads T] [--out PATH]
 (`--shapes tiny --device cpu` is a smoke run of the whole script, 28-127 s on this project's CPU; only a
 CUDA run writes benchmarks/results/gpu.json.)
 """
@@ -280,6 +283,31 @@ def time_forwards(method: str, target, draft, particles: int, draft_len: int, pr
     return statistics.median(times)
 
 
+def time_bare_passes(models: dict, vocab: int, prompt: list[int], device: str, iters: int) -> dict:
+    """Median ms of one bare [B, 1] target pass (`extend`, synchronised) on the paged and the copy
+    cache at B = 1 and 16: what the backend costs before the engine's host work."""
+    from smc_sd.backends.hf import HFLanguageModel
+
+    out = {}
+    for kv_cache in ("paged", "copy"):
+        lm = HFLanguageModel(models["target"], RandomTokenizer(vocab), kv_cache=kv_cache)
+        for rows_count in (1, 16):
+            rows, _ = lm.open(prompt, rows_count)
+            times = []
+            for i in range(iters + 2):
+                # [B, 1] random ids below EOS
+                block = torch.randint(vocab - 1, (rows_count, 1))
+                synchronize(device)
+                start = time.perf_counter()
+                rows.extend(block)
+                synchronize(device)
+                if i >= 2:
+                    times.append(1000 * (time.perf_counter() - start))
+            rows.close()
+            out[f"{kv_cache} B={rows_count}"] = statistics.median(times)
+    return out
+
+
 # the batched engine's rows: (label, method, N, K, how many of the prompts)
 BATCHED = (("ar B=1", "ar", 1, 0, 1), ("ar", "ar", 1, 0, None), ("smc-sd N=4 K=4", "smc-sd", 4, 4, None))
 
@@ -349,6 +377,7 @@ def batched_section(models: dict, args, vocab: int) -> dict:
     generator = torch.Generator().manual_seed(1)
     # [batch] random prompts of prompt_len ids below EOS
     prompts = torch.randint(vocab - 1, (args.batch, args.prompt_len), generator=generator).tolist()
+    passes_ms = time_bare_passes(models, vocab, prompts[0], args.device, args.iters)
     rows = []
     for label, method, n, k, count in BATCHED:
         if args.device.startswith("cuda"):
@@ -360,7 +389,7 @@ def batched_section(models: dict, args, vocab: int) -> dict:
         print(f"gpu.py: batched {label}: {row['tokens_per_second']:.1f} tokens/s over {row['requests']} requests", file=sys.stderr, flush=True)
         rows.append(row)
     alone, ar, smc = rows
-    return {"batch": args.batch, "new_tokens": args.batched_tokens, "kv_cache": "paged", "rows": rows,
+    return {"batch": args.batch, "new_tokens": args.batched_tokens, "kv_cache": "paged", "bare_pass_ms": passes_ms, "rows": rows,
             "ar_batched_over_alone": ar["tokens_per_second"] / alone["tokens_per_second"],
             "smc-sd_over_ar_batched": smc["tokens_per_second"] / ar["tokens_per_second"]}
 
@@ -377,6 +406,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--batch", type=int, default=16, help="requests the batched engine runs at once (0: skip it)")
     parser.add_argument("--batched-tokens", type=int, default=128, help="new tokens per request in the batched engine")
     parser.add_argument("--budget", type=float, default=None, help="seconds after which the remaining static settings are skipped")
+    parser.add_argument("--host-threads", type=int, default=None, help="torch threads for the host's work (default: torch's own)")
     parser.add_argument("--out", default=None, help="also write the JSON here, after every row")
     parser.add_argument("--no-write", action="store_true", help="print JSON only (a CPU run never writes)")
     args = parser.parse_args(argv)
@@ -395,6 +425,8 @@ def main(argv=None) -> dict:
     if acceptance is None or not 0 <= acceptance < 1:
         parser.error(f"sd needs an acceptance in [0, 1) (--acceptance; {ACCEPTANCE_FILE} is {source})")
 
+    if args.host_threads is not None:
+        torch.set_num_threads(args.host_threads)
     started = time.perf_counter()
     dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32
     shapes = SHAPES[shapes_name]

@@ -125,7 +125,7 @@ def accuracy_section(data: dict, name: str = "accuracy") -> list[str]:
 
 
 def gpu_section(data: dict | None) -> list[str]:
-    lines = ["### GPU (the engine on the compiled static path)", ""]
+    lines = ["### GPU (the engine on the compiled static path and batched)", ""]
     if data is None:
         return lines + [
             "Not measured yet: no CUDA GPU was available to this project's sessions so far. "
@@ -135,12 +135,24 @@ def gpu_section(data: dict | None) -> list[str]:
         ]
     rows = [[r["label"], f"{r['cycle_ms']:.2f}", f"{r['tokens_per_cycle']:.2f}", f"{r['tokens_per_second']:.1f}",
              f"{r['speedup_vs_ar']:.2f}", f"{r['roofline_fraction']:.2f}"] for r in data["rows"]]
-    return lines + [
+    skipped = f" Not timed (the run's time budget ran out): {', '.join(data['skipped'])}." if data.get("skipped") else ""
+    lines += [
         f"{data['device']}: {data['target']} target, {data['draft']} draft, random {data['dtype']} weights, batch 1, "
         f"{data['prompt_len']}-token prompt, {data['new_tokens']} new tokens, compiled static KV path; sd's tokens "
-        f"per pass at acceptance {data['acceptance']:.3f} ({data['acceptance_source']}). " + measured(data), "",
+        f"per pass at acceptance {data['acceptance']:.3f} ({data['acceptance_source']}). " + measured(data) + skipped, "",
         *table(["method", "cycle ms", "tokens / cycle", "tokens/s", "x ar", "memory roofline fraction"], rows), "",
     ]
+    batched = data.get("batched")
+    if batched and "rows" in batched:
+        rows = [[r["label"], r["requests"], r["generated"], f"{r['seconds']:.1f}", f"{r['tokens_per_second']:.1f}"] for r in batched["rows"]]
+        lines += [
+            f"The batched engine on the same models, paged KV, eager (`Program.run_many`, {batched['new_tokens']} new "
+            f"tokens per request, wall time with prefill): {batched['batch']} requests at once give "
+            f"{batched['ar_batched_over_alone']:.1f}x the output tokens/s of one alone; smc-sd N=4 K=4 gives "
+            f"{batched['smc-sd_over_ar_batched']:.2f}x batched ar.", "",
+            *table(["method", "requests", "tokens", "seconds", "output tokens/s"], rows), "",
+        ]
+    return lines
 
 
 def render() -> str:
