@@ -41,6 +41,7 @@ from smc_sd.backends.base import (
     check_rows,
     check_truncate,
 )
+from smc_sd.backends.onednn_linear import use_onednn_linears
 from smc_sd.backends.packed_rows import RowSpans, packed_attention
 from smc_sd.backends.paged_hf import DEFAULT_BLOCK_SIZE, PagedHFSequences, PagedKV
 from smc_sd.backends.pass_cost import PassCost, pass_cost_for
@@ -115,6 +116,8 @@ class HFLanguageModel(LanguageModel):
                 logits are returned in float32 regardless.
             drop_layers: decoder layer indices to remove, making a cheaper self-speculative draft.
             options: `kv_cache` and `block_size`, passed to the constructor.
+
+        On the CPU the model's linear layers run through oneDNN (`smc_sd.backends.onednn_linear`).
         """
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         dtype = as_dtype(dtype, device)
@@ -122,6 +125,8 @@ class HFLanguageModel(LanguageModel):
         tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
         if drop_layers:
             drop_decoder_layers(model, drop_layers)
+        if torch.device(device).type == "cpu":
+            use_onednn_linears(model)
         return cls(model.to(device), tokenizer, **options)
 
     @classmethod

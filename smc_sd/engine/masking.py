@@ -34,10 +34,13 @@ def masked_logprobs(logits: torch.Tensor, temperature: float, mask: torch.Tensor
     Returns:
         ([N, V] float32 log q~, [N] bool rows with Z_q = 0), or (log q, None) when mask is None.
     """
-    logprobs = tempered_logprobs(logits, temperature)
     if mask is None:
-        return logprobs, None
+        return tempered_logprobs(logits, temperature), None
     masked = tempered_logprobs(logits, temperature, mask)
-    empty = ~torch.isfinite(masked).any(-1)
-    # log_softmax of an all -inf row is NaN: such rows stay unmasked
-    return torch.where(empty[:, None], logprobs, torch.log_softmax(masked, -1)), empty
+    # a row without a finite entry has Z_q = 0 (logits hold no NaN or +inf)
+    empty = masked.amax(-1) == float("-inf")
+    renormalised = torch.log_softmax(masked, -1)
+    if bool(empty.any()):
+        # log_softmax of an all -inf row is NaN: such rows stay unmasked
+        renormalised[empty] = tempered_logprobs(logits[empty], temperature)
+    return renormalised, empty

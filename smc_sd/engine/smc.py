@@ -141,10 +141,11 @@ def verify_block(plan, target_logits: torch.Tensor, draft: DraftBlock, mask_at, 
     scores = plan.alpha * tempered_logprobs(target_logits, plan.target_temperature)
     # [A, V]: the bonus token's scores, masked; a row the mask leaves without mass has an all
     # -inf row, whose logsumexp zeroes the weight, and draws unmasked to keep shapes static
-    bonus_scores = scores[:, k]
+    bonus_scores = drawn_from = scores[:, k]
     if mask_at is not None:
         bonus_scores = plan.alpha * tempered_logprobs(target_logits[:, k], plan.target_temperature, mask_at(drafted)[0])
-    bonus = sample_tokens(torch.where(bonus_scores.isfinite().any(-1, keepdim=True), bonus_scores, scores[:, k]), generator)
+        drawn_from = torch.where(bonus_scores.amax(-1, keepdim=True) > float("-inf"), bonus_scores, drawn_from)
+    bonus = sample_tokens(drawn_from, generator)
     # [A, K + 1] log-weight increments: drafted columns, then the bonus normaliser
     increments = torch.cat(
         [gather_last(scores[:, :k], drafted) - gather_last(draft.logq, drafted), torch.logsumexp(bonus_scores, -1, keepdim=True)], 1

@@ -102,10 +102,11 @@ def verify_drafts(plan, draft: DraftBlock, target_logits: torch.Tensor, mask_at,
         emitted token lies within the budget and p~ has no mass there (no valid continuation).
     """
     drafted, logq = draft.tokens[0], draft.logq[0]
-    # [K + 1, V]: log p_T after the last emitted token and after each drafted token
-    logp = tempered_logprobs(target_logits, plan.target_temperature)
     no_target_mass = None
-    if mask_at is not None:
+    if mask_at is None:
+        # [K + 1, V]: log p_T after the last emitted token and after each drafted token
+        logp = tempered_logprobs(target_logits, plan.target_temperature)
+    else:
         bonus_mask, _ = mask_at(draft.tokens)
         # [K + 1, V]: p~ = p m / Z_p at every position; [K + 1] bool, positions with Z_p = 0
         logp, no_target_mass = masked_logprobs(target_logits, plan.target_temperature, torch.cat([draft.masks[0], bonus_mask], 0))
