@@ -90,3 +90,17 @@ def test_resample_on_ess_resamples_below_the_threshold_and_never_a_dead_populati
     assert resample_on_ess(logw, 0.5, generator) == (pytest.approx(2.0), None, 0.0)
     # every weight zero: nothing to draw from; the caller ends the run instead
     assert resample_on_ess(torch.full((4,), -math.inf, dtype=torch.float64), 0.5, generator) == (0.0, None, 0.0)
+
+
+def test_an_ess_that_ties_the_threshold_is_decided_alike_under_round_off():
+    """Two particles killed, two of equal weight: ESS = N/2 = tau N exactly. Log weights that
+    differ in their last digits (the logits behind them summed in another order) move the ESS
+    by ~1e-14 to either side of 2; the decision must not move with it."""
+    generator = torch.Generator().manual_seed(0)
+    wobbles = (0.0, 1e-7, -1e-7, 1e-9)
+    populations = [torch.tensor([0.0, d, -math.inf, -math.inf], dtype=torch.float64) for d in wobbles]
+    assert min(effective_sample_size(logw) for logw in populations) < 2.0
+    assert all(resample_on_ess(logw, 0.5, generator)[1] is None for logw in populations)
+    # a real shortfall of the threshold still resamples
+    below = torch.tensor([0.0, -0.1, -math.inf, -math.inf], dtype=torch.float64)
+    assert resample_on_ess(below, 0.5, generator)[1] is not None

@@ -120,8 +120,20 @@ def log_mean_weight(logw: torch.Tensor) -> float:
     return float(torch.logsumexp(logw.double(), 0)) - math.log(logw.numel())
 
 
+#: relative margin under which an ESS counts as reaching the threshold (`resample_on_ess`)
+ESS_TIE = 1e-9
+
+
 def resample_on_ess(logw: torch.Tensor, threshold: float, generator: torch.Generator, scheme: str = "systematic") -> tuple[float, torch.Tensor | None, float]:
-    """One cycle's resampling decision: resample when 0 < ESS < threshold · N.
+    """One cycle's resampling decision: resample when 0 < ESS < threshold · N · (1 - ESS_TIE).
+
+    Weights often tie the threshold exactly: with N = 4 and tau = 0.5, two particles a constraint
+    killed and two of equal weight give ESS = 2 = tau N. Computed in floating point such an ESS
+    lands a few units in the last place above or below 2, by the order in which the logits behind
+    the weights were summed, which depends on what else shared the pass; so an ESS within
+    ESS_TIE of the threshold (relative) counts as reaching it, and the decision is the same
+    whatever ran beside the request. Any rule that decides from the weights alone keeps SMC's
+    law; this one moves the threshold by a billionth.
 
     A population whose every weight is zero (ESS 0) is not resampled: there is nothing to draw
     from, and the caller ends the run (`AllParticlesDiedError`).
@@ -136,6 +148,6 @@ def resample_on_ess(logw: torch.Tensor, threshold: float, generator: torch.Gener
         (ess, None, 0.0).
     """
     ess = effective_sample_size(logw)
-    if ess == 0.0 or ess >= threshold * logw.numel():
+    if ess == 0.0 or ess >= threshold * logw.numel() * (1 - ESS_TIE):
         return ess, None, 0.0
     return ess, resample(logw, generator, scheme), log_mean_weight(logw)
