@@ -15,6 +15,10 @@ bfloat16 model can produce float32 logits: the head in bfloat16 and the logits c
 Every timing depends on the processor: bfloat16 pays where it has native bf16 matrix
 instructions (environment.processor names them), and float32 is faster without them.
 
+`--linear onednn,blas` times the hf models twice, with their linear layers as the backend loads
+them (oneDNN, `smc_sd.backends.onednn_linear`) and as torch computes them by default (`F.linear`,
+the BLAS torch was built with); the second's rows carry `backend` "hf-blas".
+
 `--backend llama-cpp` (or `hf,llama-cpp`, both in one run) times the llama.cpp backend too, one
 model per weight format in --formats (q4_1: the shipped file as it ships; q8_0, f16, f32: copies
 written from it by llama.cpp's quantizer into a temporary directory), one thread per decode
@@ -22,7 +26,8 @@ written from it by llama.cpp's quantizer into a temporary directory), one thread
 `dtype`.
 
 Usage: OMP_NUM_THREADS=1 python benchmarks/forward_cost.py [--dtypes float32,bfloat16] [--shapes 1x1,1x5,4x5,8x5]
-       [--context 100] [--repeats 5] [--backend hf|llama-cpp|hf,llama-cpp] [--formats q4_1,q8_0] [--no-write]
+       [--context 100] [--repeats 5] [--backend hf|llama-cpp|hf,llama-cpp] [--formats q4_1,q8_0]
+       [--linear onednn|blas|onednn,blas] [--no-write]
 """
 
 from __future__ import annotations
@@ -69,6 +74,13 @@ def forward_step(lm, prompt: list[int], rows: int, new: int):
     return step, sequences.close
 
 
+def blas_linears(model) -> None:
+    """Give every nn.Linear of `model` back torch's own forward (`F.linear`)."""
+    for module in model.modules():
+        if type(module) is torch.nn.Linear:
+            module.__dict__.pop("forward", None)
+
+
 def head_steps(model, rows: int) -> dict:
     """The two ways to float32 logits from a bfloat16 model's head, on [rows, D] hidden states."""
     weight = model.lm_head.weight
@@ -89,8 +101,12 @@ def main(argv=None) -> dict:
     parser.add_argument("--repeats", type=int, default=5, help="timed rounds (the median is reported)")
     parser.add_argument("--backend", default="hf", help="hf, llama-cpp, or hf,llama-cpp (both in one run)")
     parser.add_argument("--formats", default="q4_1", help="llama-cpp: comma-separated weight formats (q4_1 is the shipped file; q8_0, f16, f32 are written from it)")
+    parser.add_argument("--linear", default="onednn", help="hf: onednn (as loaded), blas (F.linear), or onednn,blas (both in one run)")
     parser.add_argument("--no-write", action="store_true", help="print JSON only; write no file")
     args = parser.parse_args(argv)
+    linears = args.linear.split(",")
+    if not linears or not set(linears) <= {"onednn", "blas"}:
+        parser.error(f"--linear: give onednn, blas or onednn,blas, got {args.linear!r}")
     backends = args.backend.split(",")
     if not set(backends) <= {"hf", "llama-cpp"}:
         parser.error(f"--backend: give hf, llama-cpp or hf,llama-cpp, got {args.backend!r}")
@@ -107,7 +123,13 @@ def main(argv=None) -> dict:
 
     from smc_sd.backends.hf import HFLanguageModel
 
-    models = {("hf", name): HFLanguageModel.default(dtype=name) for name in dtypes}
+    models = {}
+    for name in dtypes:
+        for linear in linears:
+            lm = HFLanguageModel.default(dtype=name)
+            if linear == "blas":
+                blas_linears(lm.model)
+            models["hf" if linear == "onednn" else "hf-blas", name] = lm
     scratch = tempfile.TemporaryDirectory()
     if "llama-cpp" in backends:
         models.update(llama_models(args.formats.split(","), scratch.name, sum(b for b, _ in shapes)))
