@@ -6,9 +6,9 @@ reseat leaves none. The engine numbers rows itself (`SlotTable.target_row`, `dra
 the only operations are: join rows at the end, extend every row (each by its own count of tokens), and `reseat`, which makes the
 rows a chosen list of old rows at chosen lengths.
 
-Logits reach the engine on the host: the engine draws with CPU generators (a request's sample
-for a seed is the same whatever the device), so a model on a GPU costs one device-to-host copy
-of each pass's logits, and none on the CPU.
+Logits reach the engine on the host: the engine draws with CPU generators (a seed gives the
+same random stream on every device), so a model on a GPU costs one device-to-host copy of each
+pass's logits, and one on the CPU costs nothing.
 """
 
 from __future__ import annotations
