@@ -175,7 +175,6 @@ def llama_models(formats: list[str], directory: str, rows: int) -> dict:
     for `rows` rows: the shipped file for q4_1, a copy llama.cpp's quantizer writes into
     `directory` otherwise."""
     from smc_sd.backends.llama_cpp import LlamaCppLanguageModel, requantize
-    from smc_sd.models.smollm2 import gguf_path
 
     shipped = LlamaCppLanguageModel.default(n_seq_max=rows)
     models = {}

@@ -284,7 +284,7 @@ def time_forwards(method: str, target, draft, particles: int, draft_len: int, pr
 
 
 def time_bare_passes(models: dict, vocab: int, prompt: list[int], device: str, iters: int) -> dict:
-    """Median ms of one bare [B, 1] target pass (`extend`, synchronised) on the paged and the copy
+    """Median ms of one bare [B, 1] target pass (ar's `time_forwards`) on the paged and the copy
     cache at B = 1 and 16: what the backend costs before the engine's host work."""
     from smc_sd.backends.hf import HFLanguageModel
 
@@ -292,19 +292,7 @@ def time_bare_passes(models: dict, vocab: int, prompt: list[int], device: str, i
     for kv_cache in ("paged", "copy"):
         lm = HFLanguageModel(models["target"], RandomTokenizer(vocab), kv_cache=kv_cache)
         for rows_count in (1, 16):
-            rows, _ = lm.open(prompt, rows_count)
-            times = []
-            for i in range(iters + 2):
-                # [B, 1] random ids below EOS
-                block = torch.randint(vocab - 1, (rows_count, 1))
-                synchronize(device)
-                start = time.perf_counter()
-                rows.extend(block)
-                synchronize(device)
-                if i >= 2:
-                    times.append(1000 * (time.perf_counter() - start))
-            rows.close()
-            out[f"{kv_cache} B={rows_count}"] = statistics.median(times)
+            out[f"{kv_cache} B={rows_count}"] = time_forwards("ar", lm, None, rows_count, 0, prompt, device, iters)
     return out
 
 

@@ -53,15 +53,15 @@ class RowSet:
         if not prompts:
             return []
         if self.rows is not None:
-            return [logits.cpu() for logits in self.rows.join_many(prompts, counts)]
-        self.rows, first = self.lm.open(prompts[0], counts[0])
-        if len(prompts) == 1:
-            return [first.cpu()]
-        try:
-            return [first.cpu()] + [logits.cpu() for logits in self.rows.join_many(prompts[1:], counts[1:])]
-        except NotImplementedError:
-            self.close()
-            raise
+            joined = self.rows.join_many(prompts, counts)
+        else:
+            self.rows, first = self.lm.open(prompts[0], counts[0])
+            try:
+                joined = [first] + self.rows.join_many(prompts[1:], counts[1:])
+            except NotImplementedError:
+                self.close()
+                raise
+        return [logits.cpu() for logits in joined]
 
     def extend(self, tokens: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """`Sequences.extend_rows` over every row: row b reads its first counts[b] of tokens
