@@ -56,7 +56,8 @@ class HFLanguageModel(LanguageModel):
     """A transformers causal LM (Llama-family decoder) and its tokenizer.
 
     Args:
-        model: a transformers `*ForCausalLM`; put in eval mode here.
+        model: a transformers `*ForCausalLM`; put in eval mode here. On the CPU its linear
+            layers run through oneDNN from here on (`smc_sd.backends.onednn_linear`).
         tokenizer: its tokenizer; `eos_token_id` and `get_vocab()` are used.
         kv_cache: "paged" (rows share KV blocks through a token trie), "copy" (every row owns a
             full copy of its KV; kept for comparison) or "static" (fixed-shape buffers per row).
@@ -81,6 +82,8 @@ class HFLanguageModel(LanguageModel):
         # the static path's runtimes (compiled or not), made at the first static open
         self._static: dict[bool, StaticRuntime] = {}
         self.model = model.eval()
+        if next(model.parameters()).device.type == "cpu":
+            use_onednn_linears(model)
         self.tokenizer = tokenizer
         self.kv_cache = kv_cache
         self.block_size = block_size
@@ -116,8 +119,6 @@ class HFLanguageModel(LanguageModel):
                 logits are returned in float32 regardless.
             drop_layers: decoder layer indices to remove, making a cheaper self-speculative draft.
             options: `kv_cache` and `block_size`, passed to the constructor.
-
-        On the CPU the model's linear layers run through oneDNN (`smc_sd.backends.onednn_linear`).
         """
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         dtype = as_dtype(dtype, device)
@@ -125,8 +126,6 @@ class HFLanguageModel(LanguageModel):
         tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
         if drop_layers:
             drop_decoder_layers(model, drop_layers)
-        if torch.device(device).type == "cpu":
-            use_onednn_linears(model)
         return cls(model.to(device), tokenizer, **options)
 
     @classmethod
