@@ -69,6 +69,28 @@ def test_pool_contract_allocate_share_release():
     pool.check_invariants()
 
 
+def test_pool_caches_kept_blocks_until_evicted_or_shared():
+    pool = BlockPool(capacity=4)
+    a = pool.allocate(4).tolist()
+    # the two kept blocks are cached in the order keep gives, the others freed
+    freed = pool.release(torch.tensor(a), keep=lambda idle: [a[2], a[0]])
+    assert sorted(freed.tolist()) == sorted([a[1], a[3]])
+    assert (pool.live, pool.cached, pool.free) == (0, 2, 2) and pool.is_cached(a[2])
+    pool.check_invariants()
+    # allocation takes free blocks only, growing past the cache rather than into it
+    taken = pool.allocate(3).tolist()
+    assert not {a[0], a[2]} & set(taken) and pool.capacity > 4 and pool.cached == 2
+    # sharing a cached block brings it back with count 1; a free one still cannot be shared
+    pool.share(torch.tensor([a[0]]))
+    assert pool.count(a[0]) == 1 and not pool.is_cached(a[0]) and pool.live == 4
+    with pytest.raises(ValueError):
+        pool.share(torch.tensor([pool._free[-1]]))
+    # eviction returns the least recently cached first
+    pool.release(torch.tensor([a[0]]), keep=lambda idle: idle)
+    assert pool.evict(1) == [a[2]] and pool.evict(5) == [a[0]] and pool.cached == 0
+    pool.check_invariants()
+
+
 def test_pool_grows_when_needed():
     pool = BlockPool(capacity=1)
     blocks = pool.allocate(5)
@@ -100,7 +122,7 @@ def test_prompt_is_shared_and_partial_block_copied_on_write():
     stats = manager.memory(table)
     assert stats["naive_peak_bytes"] == 4 * 5 * 10 and stats["live_bytes"] == 5 * 30
     manager.release(table)
-    assert manager.pool.live == 0 and len(manager.trie) == 0
+    assert manager.pool.live == 0 and len(manager.trie) == manager.pool.cached
 
 
 def test_equal_full_blocks_merge_through_the_trie():
@@ -119,7 +141,7 @@ def test_equal_full_blocks_merge_through_the_trie():
     manager.check_invariants(table)
     manager.release(table)
     manager.release(table)
-    assert manager.pool.live == 0 and len(manager.trie) == 0
+    assert manager.pool.live == 0 and len(manager.trie) == manager.pool.cached
 
 
 def test_truncated_block_stays_indexed_until_its_only_holder_writes():
@@ -170,6 +192,62 @@ def test_block_truncated_and_refilled_is_shared_again():
     store.apply(manager, t0, plan, 1)
     assert t0.blocks.tolist() == [[1]] and manager.trie.lookup(ROOT, (0, 0)) == 1
     manager.check_invariants(t0, t1)
+
+
+def test_a_released_prompt_is_shared_by_a_later_one_from_the_cache():
+    manager, store = KVCacheManager(block_size=2, bytes_per_block=2), PrefixStore(2)
+    first, plan = manager.open([1, 2, 3, 4, 5])
+    store.apply(manager, first, plan, 0)
+    manager.release(first)
+    # its two full blocks stay indexed, cached; the partial one is freed
+    assert manager.pool.live == 0 and manager.pool.cached == len(manager.trie) == 2
+    manager.check_invariants()
+    second, plan = manager.open_shared([1, 2, 3, 4, 9, 9, 9])
+    # only the positions past the cached prefix are written
+    assert plan.slots.shape == (1, 3) and manager.pool.cached == 0
+    store.apply(manager, second, plan, 4)
+    assert store.read(manager, second) == [prefixes([1, 2, 3, 4, 9, 9, 9])]
+    manager.check_invariants(second)
+
+
+def test_eviction_takes_children_before_parents_and_only_when_free_blocks_run_out():
+    manager, store = KVCacheManager(block_size=1, bytes_per_block=1, capacity=4), PrefixStore(1)
+    table, plan = manager.open([1, 2, 3, 4])
+    store.apply(manager, table, plan, 0)
+    manager.release(table)
+    assert manager.pool.cached == 4 and manager.pool.capacity == 4
+    # two blocks needed, none free: the two deepest cached blocks make room, the pool stays
+    other, plan = manager.open([7, 8])
+    store.apply(manager, other, plan, 0)
+    assert manager.pool.capacity == 4 and manager.pool.cached == 2
+    assert manager.trie.lookup(ROOT, (1,)) is not None and manager.trie.lookup(manager.trie.lookup(ROOT, (1,)), (2,)) is not None
+    manager.check_invariants(other)
+    # what is left of the first prompt is still shared
+    again, plan = manager.open_shared([1, 2, 3, 4])
+    assert plan.slots.shape == (1, 2)
+    store.apply(manager, again, plan, 2)
+    assert store.read(manager, again) == [prefixes([1, 2, 3, 4])]
+    manager.check_invariants(other, again)
+
+
+def test_writing_a_block_in_place_drops_its_cached_descendants():
+    manager, store = KVCacheManager(block_size=2, bytes_per_block=2), PrefixStore(2)
+    table, plan = manager.open([1, 2, 3, 4, 5, 6])
+    store.apply(manager, table, plan, 0)
+    manager.select(table, torch.tensor([0, 0]))
+    # row 1 gives up its last block, then row 0 leaves: blocks 2 and 3 of the prompt stay cached
+    manager.truncate_rows(table, torch.tensor([6, 4]))
+    manager.select(table, torch.tensor([1]))
+    assert manager.pool.cached == 1 and len(manager.trie) == 3
+    # the row truncates into its second block, which it alone holds, and rewrites it in place
+    manager.truncate(table, 3)
+    plan = manager.append(table, torch.tensor([[9, 5, 6]]))
+    assert plan.copies.numel() == 0
+    store.apply(manager, table, plan, 3)
+    # the cached block after the old second block left the index with it: a block (5, 6) after
+    # the rewritten (3, 9) is computed, never taken from the cache
+    assert store.read(manager, table) == [prefixes([1, 2, 3, 9, 5, 6])]
+    manager.check_invariants(table)
 
 
 def test_invariants_catch_full_blocks_the_trie_does_not_share():
@@ -250,8 +328,9 @@ def test_random_operations_match_reference(block_size):
                 # a request sharing a prefix with a row of another table
                 shared = rng.choice(rng.choice(reference))
                 prompt = shared[: rng.randint(1, len(shared))] + prompt[: rng.randint(0, 2)]
-            table, plan = manager.open(prompt)
-            store.apply(manager, table, plan, 0)
+            # a joining request shares the trie's blocks of its prompt, cached ones included
+            table, plan = manager.open_shared(prompt) if rng.random() < 0.5 else manager.open(prompt)
+            store.apply(manager, table, plan, len(prompt) - plan.slots.shape[1])
             batch = rng.randint(1, 5)
             manager.select(table, torch.zeros(batch, dtype=torch.int64))
             tables.append(table)
@@ -285,7 +364,7 @@ def test_random_operations_match_reference(block_size):
     for table in tables:
         manager.release(table)
     manager.check_invariants()
-    assert manager.pool.live == 0 and len(manager.trie) == 0
+    assert manager.pool.live == 0 and len(manager.trie) == manager.pool.cached
     assert manager.pool.peak_live > 0
 
 
@@ -314,4 +393,4 @@ def test_engine_returns_every_block_after_a_run_and_after_one_that_raises():
         program.run([0, 1, 0, 1], Schedule(6, max_tokens=12), seed=1, on_cycle=interrupt)
     for lm in (target, draft):
         lm.manager.check_invariants()
-        assert lm.manager.pool.live == 0 and len(lm.manager.trie) == 0
+        assert lm.manager.pool.live == 0 and len(lm.manager.trie) == lm.manager.pool.cached

@@ -69,7 +69,7 @@ def test_random_fork_extend_resample_release_match_fresh_forwards(default_lm, wo
     memory = rows.memory()
     assert memory["peak_bytes"] <= memory["naive_peak_bytes"]
     rows.close()
-    assert lm._paged.manager.pool.live == 0 and len(lm._paged.manager.trie) == 0
+    assert lm._paged.manager.pool.live == 0 and len(lm._paged.manager.trie) == lm._paged.manager.pool.cached
 
 
 @pytest.mark.parametrize("kv_cache", ["paged", "copy"])
@@ -97,4 +97,27 @@ def test_pool_is_empty_after_a_run_and_after_one_that_raises(default_lm, words):
     for lm in (target, draft):
         manager = lm._paged.manager
         manager.check_invariants()
-        assert manager.pool.live == 0 and len(manager.trie) == 0
+        assert manager.pool.live == 0 and len(manager.trie) == manager.pool.cached
+
+
+def test_a_prompt_seen_before_is_read_from_the_prefix_cache(default_lm, words, atol):
+    lm = paged(default_lm)
+    computed = []
+    forward = lm._forward
+
+    def counting_forward(tokens, *args, **kwargs):
+        computed.append(tokens.shape[1])
+        return forward(tokens, *args, **kwargs)
+
+    lm._forward = counting_forward
+    rows, _ = lm.open(words[:10], 2)
+    rows.close()
+    manager = lm._paged.manager
+    # the prompt's two full blocks stay in the trie, cached, after its rows left
+    assert manager.pool.live == 0 and manager.pool.cached == len(manager.trie) == 2
+    # a longer prompt with the same start computes only what follows those 8 positions
+    rows, logits = lm.open(words[:13], 3)
+    assert computed == [10, 5] and manager.pool.cached == 0
+    assert (logits - fresh_logits(default_lm, words[:13])).abs().max().item() <= atol
+    rows.check_invariants()
+    rows.close()

@@ -12,9 +12,10 @@
 Rows may differ in length (`join` adds rows of another prompt, `truncate_rows` rolls rows back to
 their own lengths): row b of length S_b appends at positions S_b .. S_b + L - 1, every layer
 gathers positions 0 .. max_b S_b + L - 1 of every row, and an attention mask hides, for each
-query, the keys past its own position (a shorter row's tail). A joined prompt shares the blocks
-of its prefix that the trie already holds (a system prompt common to several requests is stored
-and computed once) and computes only the rest.
+query, the keys past its own position (a shorter row's tail). An opened or joined prompt shares
+the blocks of its prefix that the trie already holds (a system prompt common to several requests
+is stored and computed once), those of rows that have left included (the prefix cache, up to
+PREFIX_CACHE_BYTES), and computes only the rest.
 
 Rows share prefixes by pointer: the prompt is computed once and its blocks are shared by all N
 rows; `select` (resampling, forking) copies block ids and adjusts counts, never KV bytes.
@@ -41,6 +42,9 @@ from smc_sd.cache.store import KVStore
 from smc_sd.models.feature_draft import capture_layer_outputs
 
 DEFAULT_BLOCK_SIZE = 16
+#: the KV bytes the pool may grow to for blocks kept after their rows left (the prefix cache,
+#: `smc_sd.cache.manager`); vLLM's CPU backend here keeps a 1 GiB KV cache too
+PREFIX_CACHE_BYTES = 1 << 30
 
 
 class PagedLayer(CacheLayerMixin):
@@ -109,7 +113,7 @@ class PagedKV:
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
         self.store = KVStore(config.num_hidden_layers, heads, head_dim, block_size, dtype, device)
-        self.manager = KVCacheManager(block_size, self.store.bytes_per_block)
+        self.manager = KVCacheManager(block_size, self.store.bytes_per_block, cache_blocks=PREFIX_CACHE_BYTES // self.store.bytes_per_block)
 
 
 class PagedHFSequences(Sequences):
@@ -124,15 +128,18 @@ class PagedHFSequences(Sequences):
 
     @classmethod
     def open(cls, lm, kv: PagedKV, prompt: list[int], batch_size: int) -> tuple[PagedHFSequences, torch.Tensor]:
-        """Compute the prompt once into one row, then fork it to `batch_size` rows.
+        """Compute the prompt once into one row, then fork it to `batch_size` rows. The prefix
+        the trie holds (the prefix cache) is shared, not computed again, unless the rows keep
+        features (they need every position's).
 
         Returns:
             The rows and the next-token logits after the prompt, [V] float32.
         """
-        table, plan = kv.manager.open(prompt)
+        keeps_features = bool(getattr(lm, "feature_layers", None))
+        table, plan = kv.manager.open(prompt) if keeps_features else kv.manager.open_shared(prompt)
         rows = cls(lm, kv, table)
         try:
-            logits = rows._forward(torch.tensor([prompt]), plan, last_only=True)
+            logits = rows._forward(torch.tensor([prompt[len(prompt) - plan.slots.shape[1] :]]), plan, last_only=True)
             kv.manager.select(table, torch.zeros(batch_size, dtype=torch.int64))
         except BaseException:
             rows.close()

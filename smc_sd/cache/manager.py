@@ -23,12 +23,23 @@ past a row's own entries. Rows of one length have no PAD, as before.
   indexed one (same parent, same tokens) points at that one and frees its own.
 - truncate / truncate_rows / release: blocks past the kept length return their references.
 
+Prefix cache. A full indexed block whose last reference `select` or `release` returns stays in the
+trie with its KV, cached (`BlockPool.release`'s `keep`), so a later prompt holding the same
+tokens shares it instead of computing it again (`open_shared`, and `commit`'s merge): a system
+prompt, a document asked about twice, the turns of a conversation. The pool grows for cached
+blocks up to `cache_blocks`; past that size, an allocation that finds too few free blocks evicts
+the least recently cached ones (dropping them from the trie) before the pool grows, so the cache
+never takes more than that memory. Blocks of one release are cached deepest first, so a block is
+evicted before its parent: every indexed block's parent is live or cached. A truncation's blocks
+(rejected drafts) are freed, not cached.
+
 A block that a truncation leaves partial stays indexed: nothing has written it, so its KV is
 still its key's, the truncated row reads only its first positions (whose KV is the row's own),
 and other rows may hold it full. The row stops pointing at it at its next append, the only
 moment its contents would part from the key's: it copies a shared block on write, or, as the
-block's only holder, drops it from the index and writes in place. When the row fills the block
-again, commit merges it into the indexed block with the same key, if there is one.
+block's only holder, drops it and its cached descendants from the index and writes in place.
+When the row fills the block again, commit merges it into the indexed block with the same key, if
+there is one.
 
 Invariants of a `BlockTables` (checked by `check_invariants` with the pool's and trie's own,
 between operations, i.e. after each append's commit):
@@ -128,13 +139,18 @@ class KVCacheManager:
         block_size: positions per block.
         bytes_per_block: KV bytes one block holds (all layers, keys and values), for statistics.
         capacity: the pool's initial number of blocks.
+        cache_blocks: the pool size up to which it grows rather than evict cached blocks (0:
+            cached blocks make room whenever free ones run out).
     """
 
-    def __init__(self, block_size: int, bytes_per_block: int, capacity: int = 64):
+    def __init__(self, block_size: int, bytes_per_block: int, capacity: int = 64, cache_blocks: int = 0):
         if block_size < 1:
             raise ValueError(f"block_size must be at least 1, got {block_size}")
+        if cache_blocks < 0:
+            raise ValueError(f"cache_blocks must be at least 0, got {cache_blocks}")
         self.block_size = block_size
         self.bytes_per_block = bytes_per_block
+        self.cache_blocks = cache_blocks
         self.pool = BlockPool(capacity)
         self.trie = TokenTrie()
 
@@ -197,10 +213,12 @@ class KVCacheManager:
             last = int(old[b]) // bs
             block = int(table.blocks[b, last])
             if self.pool.is_writable(block):
-                # about to change: its trie key would no longer describe it
-                self.trie.remove([block])
+                # about to change: its trie key would no longer describe it, nor its cached
+                # descendants' (no row holds them: a row holding one would hold this block too)
+                below = self.trie.descendants(block)
+                self.trie.remove([block, *self.pool.uncache(below)])
             else:
-                fresh = self.pool.allocate(1)
+                fresh = self._allocate(1)
                 copies.append((block, int(fresh)))
                 # count stays >= 1: the source survives until the store has copied it
                 self.pool.release(torch.tensor([block]))
@@ -211,7 +229,7 @@ class KVCacheManager:
         table.tokens = _pad_columns(table.tokens, int(new_lengths.max()))
         count = need - have
         if int(count.sum()):
-            fresh = self.pool.allocate(int(count.sum()))
+            fresh = self._allocate(int(count.sum()))
             offsets = torch.arange(int(count.max()))
             # [B, max count] bool: each row's new columns; row-major, so each row takes its new
             # blocks in order
@@ -255,7 +273,7 @@ class KVCacheManager:
                     self.trie.insert(block, parent, key)
                     continue
                 self.pool.share(torch.tensor([twin]))
-                self.trie.remove(self.pool.release(torch.tensor([block])))
+                self._release(torch.tensor([block]))
                 table.blocks[b, j] = twin
         self._record_peak(table)
 
@@ -274,7 +292,7 @@ class KVCacheManager:
         chosen = table.blocks[rows]
         # share first: a block kept by some row must not touch 0 in between
         self.pool.share(chosen[chosen != PAD])
-        self.trie.remove(self.pool.release(table.blocks[table.blocks != PAD]))
+        self._release(table.blocks[table.blocks != PAD])
         table.blocks, table.tokens, table.lengths = chosen, table.tokens[rows], table.lengths[rows]
         self._trim(table)
         self._record_peak(table)
@@ -292,7 +310,7 @@ class KVCacheManager:
         # [B, M]: columns past each row's kept blocks
         cut = torch.arange(table.blocks.shape[1])[None, :] >= kept[:, None]
         # a last kept block left partial stays indexed until a row writes into it (`append`)
-        self.trie.remove(self.pool.release(table.blocks[cut & (table.blocks != PAD)]))
+        self._release(table.blocks[cut & (table.blocks != PAD)], cache=False)
         table.blocks = table.blocks.masked_fill(cut, PAD)
         table.tokens = table.tokens.masked_fill(torch.arange(table.tokens.shape[1])[None, :] >= lengths[:, None], PAD)
         table.lengths = lengths.clone()
@@ -302,9 +320,31 @@ class KVCacheManager:
         """Return every reference the table holds. Safe to call twice."""
         if table.closed:
             return
-        self.trie.remove(self.pool.release(table.blocks[table.blocks != PAD]))
+        self._release(table.blocks[table.blocks != PAD])
         table.blocks = table.blocks[:, :0]
         table.closed = True
+
+    def _allocate(self, n: int) -> torch.Tensor:
+        """n blocks with count 1: free ones, then (once the pool holds `cache_blocks`) evicted
+        cached ones, then new ones."""
+        if self.pool.capacity >= self.cache_blocks:
+            self.trie.remove(self.pool.evict(n - self.pool.free))
+        return self.pool.allocate(n)
+
+    def _release(self, blocks: torch.Tensor, cache: bool = True) -> None:
+        """Return one reference per listed block. With `cache`, indexed blocks reaching 0 are
+        cached, deepest first (evicted before their parents), the rest freed; without it every
+        block reaching 0 is freed and leaves the trie with its cached descendants."""
+        if cache:
+            self.trie.remove(self.pool.release(blocks, keep=self._cacheable))
+            return
+        freed = self.pool.release(blocks).tolist()
+        below = {child for block in freed if block in self.trie for child in self.trie.descendants(block)}
+        self.trie.remove([*freed, *self.pool.uncache([block for block in below if self.pool.is_cached(block)])])
+
+    def _cacheable(self, idle: list[int]) -> list[int]:
+        """The indexed blocks among `idle`, in eviction order (deepest first)."""
+        return sorted((block for block in idle if block in self.trie), key=self.trie.depth, reverse=True)
 
     def memory(self, table: BlockTables) -> dict:
         """Statistics of the pool as seen by this table, in blocks and bytes."""
