@@ -123,7 +123,7 @@ def main() -> None:
     import openai
 
     env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS=str(args.threads))
-    server, url = start_smc_sd(args.dtype, env)
+    server, url = start_smc_sd(sys.executable, ["--dtype", args.dtype], env)
     pid = server.process.pid
     try:
         client = openai.OpenAI(base_url=url, api_key="none", max_retries=0, timeout=REQUEST_SECONDS)

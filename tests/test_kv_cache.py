@@ -230,6 +230,24 @@ def test_eviction_takes_children_before_parents_and_only_when_free_blocks_run_ou
     manager.check_invariants(other, again)
 
 
+def test_the_cache_grows_the_pool_up_to_cache_blocks_only():
+    manager, store = KVCacheManager(block_size=1, bytes_per_block=1, capacity=1, cache_blocks=4), PrefixStore(1)
+    for i in range(10):
+        table, plan = manager.open([2 * i, 2 * i + 1])
+        store.apply(manager, table, plan, 0)
+        manager.release(table)
+        # past 4 blocks, the oldest cached blocks make room instead of the pool growing
+        assert manager.pool.capacity == min(4, 2 * (i + 1)) and manager.pool.cached <= 4
+        manager.check_invariants()
+    # the latest prompts are still cached: their first blocks are shared, not computed
+    table, plan = manager.open_shared([18, 19])
+    assert plan.slots.shape == (1, 1)
+    store.apply(manager, table, plan, 1)
+    assert store.read(manager, table) == [prefixes([18, 19])]
+    with pytest.raises(ValueError, match="cache_blocks"):
+        KVCacheManager(block_size=1, bytes_per_block=1, cache_blocks=-1)
+
+
 def test_writing_a_block_in_place_drops_its_cached_descendants():
     manager, store = KVCacheManager(block_size=2, bytes_per_block=2), PrefixStore(2)
     table, plan = manager.open([1, 2, 3, 4, 5, 6])

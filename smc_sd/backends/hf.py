@@ -43,7 +43,7 @@ from smc_sd.backends.base import (
 )
 from smc_sd.backends.onednn_linear import use_onednn_linears
 from smc_sd.backends.packed_rows import RowSpans, packed_attention
-from smc_sd.backends.paged_hf import DEFAULT_BLOCK_SIZE, PagedHFSequences, PagedKV
+from smc_sd.backends.paged_hf import DEFAULT_BLOCK_SIZE, PREFIX_CACHE_BYTES, PagedHFSequences, PagedKV
 from smc_sd.backends.pass_cost import PassCost, pass_cost_for
 from smc_sd.backends.precision import as_dtype
 from smc_sd.backends.static_hf import StaticHFSequences, StaticRuntime
@@ -65,6 +65,9 @@ class HFLanguageModel(LanguageModel):
         compile: static cache only: run its fixed-shape step through `torch.compile`.
         static_length: static cache only: positions per row to allocate at open (None: the
             prompt's length plus `static_hf.DEFAULT_HEADROOM`, rounded up).
+        prefix_cache_bytes: paged cache only: the KV bytes its pool may grow to for blocks kept
+            after their rows left, for later prompts that start with the same tokens (the
+            prefix cache, `smc_sd.cache.manager`; 0: kept only while the pool has room).
     """
 
     def __init__(
@@ -75,6 +78,7 @@ class HFLanguageModel(LanguageModel):
         block_size: int = DEFAULT_BLOCK_SIZE,
         compile: bool = False,
         static_length: int | None = None,
+        prefix_cache_bytes: int = PREFIX_CACHE_BYTES,
     ):
         if kv_cache not in KV_CACHES:
             raise ValueError(f"kv_cache must be one of {', '.join(KV_CACHES)}, got {kv_cache!r}")
@@ -87,6 +91,9 @@ class HFLanguageModel(LanguageModel):
         self.tokenizer = tokenizer
         self.kv_cache = kv_cache
         self.block_size = block_size
+        if prefix_cache_bytes < 0:
+            raise ValueError(f"prefix_cache_bytes must be at least 0, got {prefix_cache_bytes}")
+        self.prefix_cache_bytes = prefix_cache_bytes
         # the paged cache's pool and store, made at the first paged open
         self._paged: PagedKV | None = None
         # transformers 5.24 calls the forward's KV-cache argument `cache` (`past_key_values` still
@@ -194,7 +201,7 @@ class HFLanguageModel(LanguageModel):
             return StaticHFSequences.open(self._static[self.compile], prompt, batch_size, self.max_length, self.static_length)
         if self.kv_cache == "paged":
             if self._paged is None:
-                self._paged = PagedKV(self.model.config, self.model.dtype, self.device, self.block_size)
+                self._paged = PagedKV(self.model.config, self.model.dtype, self.device, self.block_size, self.prefix_cache_bytes)
             return PagedHFSequences.open(self, self._paged, prompt, batch_size)
         # Without a config every layer gets a plain DynamicLayer: it holds all positions, so `crop`
         # works at any length (a sliding-window layer cannot crop back past its window).

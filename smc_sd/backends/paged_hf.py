@@ -107,13 +107,15 @@ class PagedKV:
         config: the model's transformers config (layers, key-value heads, head size).
         dtype, device: of the KV.
         block_size: positions per block.
+        cache_bytes: the KV bytes the pool may grow to for cached blocks (`KVCacheManager`'s
+            `cache_blocks`, in bytes).
     """
 
-    def __init__(self, config, dtype, device, block_size: int = DEFAULT_BLOCK_SIZE):
+    def __init__(self, config, dtype, device, block_size: int = DEFAULT_BLOCK_SIZE, cache_bytes: int = PREFIX_CACHE_BYTES):
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
         self.store = KVStore(config.num_hidden_layers, heads, head_dim, block_size, dtype, device)
-        self.manager = KVCacheManager(block_size, self.store.bytes_per_block, cache_blocks=PREFIX_CACHE_BYTES // self.store.bytes_per_block)
+        self.manager = KVCacheManager(block_size, self.store.bytes_per_block, cache_blocks=cache_bytes // self.store.bytes_per_block)
 
 
 class PagedHFSequences(Sequences):
