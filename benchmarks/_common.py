@@ -85,6 +85,15 @@ def build_program(method: str, target, draft, **options):
     return module.program(target, **kept) if method == "ar" else module.program(target, draft, **kept)
 
 
+def drop_prefix_caches(program) -> None:
+    """Empty the prefix caches of a program's models (`LanguageModel.drop_prefix_cache`): a timed
+    run then computes its prompt, as the first method run on that prompt does, and methods run
+    one after another on the same prompts compare like for like."""
+    for lm in (program.target.lm, getattr(program.proposal, "lm", None)):
+        if lm is not None:
+            lm.drop_prefix_cache()
+
+
 def setting_label(setting: dict) -> str:
     """A short name for a measured setting: the method, then K, N and alpha where they apply."""
     parts = [setting["method"]]

@@ -29,7 +29,7 @@ import statistics
 import subprocess
 import time
 
-from _common import emit, environment, load_default_models
+from _common import drop_prefix_caches, emit, environment, load_default_models
 
 SCHEMA = {
     "type": "object",
@@ -84,6 +84,7 @@ def percentile(values: list[float], q: float) -> float:
 
 def run_smc_sd(program, prompt, schedule, seed) -> tuple[dict, list[float]]:
     """One run; returns its figures and the mask latencies (seconds per particle-position)."""
+    drop_prefix_caches(program)
     result = program.run(prompt, schedule, seed=seed)
     mean_length = sum(len(p) for p in result.particles) / len(result.particles)
     figures = {

@@ -32,7 +32,7 @@ import sys
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
-from _common import emit, environment  # noqa: E402
+from _common import drop_prefix_caches, emit, environment  # noqa: E402
 
 ITEMS = pathlib.Path(__file__).resolve().parent / "extraction_items.json"
 REQUEST = "Extract the data in this JSON schema from the text and answer with one JSON object.\nSchema: {schema}\nText:\n{document}"
@@ -83,6 +83,7 @@ def run_item(program, prompt: list[int], particles: int, max_tokens: int, seed: 
     """One decode: its counts and whether its output validates."""
     from smc_sd import Schedule
 
+    drop_prefix_caches(program)
     result = program.run(prompt, Schedule(particles, max_tokens=max_tokens), seed=seed)
     valid = result.complete and is_valid(result.text, schema)
     tokens = len(result.tokens)

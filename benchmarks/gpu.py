@@ -63,7 +63,7 @@ import traceback
 
 import torch
 
-from _common import RESULTS, build_program, emit, environment
+from _common import RESULTS, build_program, drop_prefix_caches, emit, environment
 
 SHAPES = {
     "8b": {
@@ -307,6 +307,7 @@ def time_batched(method: str, target, draft, particles: int, draft_len: int, pro
     options = {"draft_len": draft_len} if draft_len else {}
     program = build_program(method, target, draft, **options)
     program.run_many(prompts[:2], Schedule(particles, max_tokens=2 * (draft_len + 1) + 2), seeds=[1, 2][: len(prompts)])
+    drop_prefix_caches(program)
     started = time.perf_counter()
     results = program.run_many(prompts, Schedule(particles, max_tokens=new_tokens), seeds=list(range(len(prompts))), max_running=len(prompts))
     seconds = time.perf_counter() - started

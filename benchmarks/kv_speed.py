@@ -15,7 +15,7 @@ from __future__ import annotations
 import argparse
 import time
 
-from _common import build_program, emit, environment, load_default_models
+from _common import build_program, drop_prefix_caches, emit, environment, load_default_models
 
 from smc_sd import Schedule
 
@@ -39,6 +39,7 @@ def measure(target, draft, particles: int, draft_len: int, prompts, max_tokens: 
         # alternate which cache goes first, so neither always runs on a warmer machine
         for cache in CACHES if i % 2 == 0 else CACHES[::-1]:
             target.kv_cache = draft.kv_cache = cache
+            drop_prefix_caches(program)
             cpu = time.process_time()
             result = program.run(prompt, Schedule(particles, max_tokens=max_tokens), seed=seed + i)
             total = totals[cache]

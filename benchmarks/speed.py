@@ -67,6 +67,7 @@ from _common import (
     add_dtype_argument,
     build_program,
     describe_draft,
+    drop_prefix_caches,
     emit,
     environment,
     load_default_models,
@@ -247,6 +248,7 @@ def decode(config: Config, program, target, prompt: list[int], max_tokens: int, 
     for lm in (target, program.proposal.lm if program.proposal is not None else None):
         if hasattr(lm, "kv_cache"):
             lm.kv_cache, lm.compile = config.kv_cache, config.compile
+    drop_prefix_caches(program)
     result = program.run(prompt, Schedule(config.particles, max_tokens=max_tokens), seed=seed)
     return {
         "tokens": len(result.tokens),

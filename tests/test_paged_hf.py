@@ -121,3 +121,17 @@ def test_a_prompt_seen_before_is_read_from_the_prefix_cache(default_lm, words, a
     assert (logits - fresh_logits(default_lm, words[:13])).abs().max().item() <= atol
     rows.check_invariants()
     rows.close()
+
+
+def test_dropping_the_prefix_cache_makes_the_next_prompt_computed_in_full(default_lm, words):
+    lm = paged(default_lm)
+    rows, _ = lm.open(words[:10], 1)
+    rows.close()
+    lm.drop_prefix_cache()
+    manager = lm._paged.manager
+    assert manager.pool.cached == len(manager.trie) == 0
+    table, plan = manager.open_shared(words[:10])
+    assert plan.slots.shape == (1, 10)
+    manager.release(table)
+    # a model without a prefix cache has nothing to drop
+    HFLanguageModel(default_lm.model, default_lm.tokenizer, kv_cache="copy").drop_prefix_cache()

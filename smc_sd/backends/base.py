@@ -309,6 +309,11 @@ class LanguageModel(abc.ABC):
         """Text of token ids (special tokens dropped)."""
         return self.tokenizer.decode(token_ids, skip_special_tokens=True)
 
+    def drop_prefix_cache(self) -> None:
+        """Forget the KV kept from finished rows for later prompts (a prefix cache), so the next
+        prompt is computed in full, as a benchmark's cold run needs; a backend without such a
+        cache, or one that manages its own, keeps it."""
+
     @property
     def pass_cost(self) -> PassCost:
         """What a pass over n new positions costs here, in one-position passes

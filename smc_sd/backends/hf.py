@@ -176,6 +176,11 @@ class HFLanguageModel(LanguageModel):
     def device(self) -> torch.device:
         return self.model.device
 
+    def drop_prefix_cache(self) -> None:
+        """Evict every cached block of the paged cache (`KVCacheManager.drop_cache`)."""
+        if self._paged is not None:
+            self._paged.manager.drop_cache()
+
     def open(self, prompt: list[int], batch_size: int) -> tuple[Sequences, torch.Tensor]:
         """Run the prompt once at batch 1, then share (paged) or copy its KV into `batch_size` rows.
 

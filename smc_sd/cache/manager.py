@@ -324,6 +324,10 @@ class KVCacheManager:
         table.blocks = table.blocks[:, :0]
         table.closed = True
 
+    def drop_cache(self) -> None:
+        """Evict every cached block: later prompts share only what live rows hold."""
+        self.trie.remove(self.pool.evict(self.pool.cached))
+
     def _allocate(self, n: int) -> torch.Tensor:
         """n blocks with count 1: free ones, then (once the pool holds `cache_blocks`) evicted
         cached ones, then new ones."""
