@@ -211,17 +211,9 @@ class PagedHFSequences(Sequences):
         self._check_open()
         check_join(prompt, count, self._lm.max_length)
         self._refuse_features("join")
-        manager = self._kv.manager
-        table, plan = manager.open_shared(prompt)
-        rows = PagedHFSequences(self._lm, self._kv, table)
-        try:
-            logits = rows._forward(torch.tensor([prompt[len(prompt) - plan.slots.shape[1] :]]), plan, last_only=True)
-            manager.select(table, torch.zeros(count, dtype=torch.int64))
-        except BaseException:
-            rows.close()
-            raise
-        manager.join(self._table, table)
-        return logits[0, -1]
+        rows, logits = PagedHFSequences.open(self._lm, self._kv, prompt, count)
+        self._kv.manager.join(self._table, rows._table)
+        return logits
 
     def join_many(self, prompts: list[list[int]], counts: list[int]) -> list[torch.Tensor]:
         """Join several prompts with ONE forward over their parts past the trie's shared

@@ -215,8 +215,7 @@ class KVCacheManager:
             if self.pool.is_writable(block):
                 # about to change: its trie key would no longer describe it, nor its cached
                 # descendants' (no row holds them: a row holding one would hold this block too)
-                below = self.trie.descendants(block)
-                self.trie.remove([block, *self.pool.uncache(below)])
+                self._unindex([block])
             else:
                 fresh = self._allocate(1)
                 copies.append((block, int(fresh)))
@@ -342,9 +341,13 @@ class KVCacheManager:
         if cache:
             self.trie.remove(self.pool.release(blocks, keep=self._cacheable))
             return
-        freed = self.pool.release(blocks).tolist()
-        below = {child for block in freed if block in self.trie for child in self.trie.descendants(block)}
-        self.trie.remove([*freed, *self.pool.uncache([block for block in below if self.pool.is_cached(block)])])
+        self._unindex(self.pool.release(blocks).tolist())
+
+    def _unindex(self, blocks: list[int]) -> None:
+        """Drop blocks from the trie with their cached descendants, which return to the free list
+        (their keys name a parent whose KV is about to change or go)."""
+        below = {child for block in blocks if block in self.trie for child in self.trie.descendants(block)}
+        self.trie.remove([*blocks, *self.pool.uncache([block for block in below if self.pool.is_cached(block)])])
 
     def _cacheable(self, idle: list[int]) -> list[int]:
         """The indexed blocks among `idle`, in eviction order (deepest first)."""
