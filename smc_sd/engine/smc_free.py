@@ -34,9 +34,8 @@ from dataclasses import dataclass
 import torch
 
 from smc_sd.engine.drafting import trim_at_eos
-from smc_sd.engine.free_drafts import FreeDrafter, allowed_prefix, point_mass_rows
-from smc_sd.engine.sampling import tempered_logprobs
-from smc_sd.engine.speculative import accept_or_resample
+from smc_sd.engine.free_drafts import FreeDrafter, allowed_prefix
+from smc_sd.engine.sampling import sample_tokens, tempered_logprobs
 
 
 def proposals(plan, drafter: FreeDrafter, tokens: list[list[int]], running: list[int]) -> tuple[list[list[int]], list, list[int]]:
@@ -61,35 +60,6 @@ def proposals(plan, drafter: FreeDrafter, tokens: list[list[int]], running: list
         kept = allowed_prefix(d, rows)
         out.append((d[:kept], rows[: kept + 1]))
     return [d for d, _ in out], [m for _, m in out], [min(f, len(d)) for f, (d, _) in zip(forced, out)]
-
-
-def extend_particle(plan, drafted: list[int], logits: torch.Tensor, masks, generator) -> tuple[list[int], list[float], int]:
-    """One particle's exact speculative step on q_loc with the point-mass draft `drafted`.
-
-    Args:
-        drafted: d_1..d_m.
-        logits: [m + 1, V] float32 target logits after the unseen token and after each d_j.
-        masks: [m + 1, V] bool or None.
-
-    Returns:
-        (emitted, log_z, accepted): the emitted tokens (accepted drafts then the residual or
-        bonus token), the log Z term of each emitted position (-inf where q_loc has no mass,
-        whose token is then an EOS filler), and how many drafts were accepted.
-    """
-    # [m + 1, V]: alpha log p_T, masked, and its normalisers log Z
-    scores = plan.alpha * tempered_logprobs(logits, plan.target_temperature, masks)
-    log_z = torch.logsumexp(scores, -1)
-    empty = (~torch.isfinite(log_z)).nonzero().flatten()
-    if empty.numel() > 0:
-        # q_loc has no mass at position j: the block can reach no further than j
-        drafted = drafted[: int(empty[0])]
-    m = len(drafted)
-    terms = log_z.double().tolist()
-    if not math.isfinite(terms[m]):
-        return drafted + [plan.target.vocabulary.eos_token_id], terms[: m + 1], m
-    logq = scores[: m + 1] - log_z[: m + 1, None]
-    accepted, emitted = accept_or_resample(torch.tensor(drafted, dtype=torch.long), point_mass_rows(drafted, logits.shape[-1]), logq, generator)
-    return drafted[:accepted] + [emitted], terms[: accepted + 1], accepted
 
 
 def distinct_rows(tokens: list[list[int]], running: list[int]) -> tuple[list[int], list[int]]:
@@ -164,6 +134,77 @@ def propose_distinct(plan, drafter: FreeDrafter, tokens: list[list[int]], runnin
     return CycleProposals(running, distinct, copy_of, drafted, masks, forced)
 
 
+def speculative_steps(plan, cycle: CycleProposals, logits: torch.Tensor, generator) -> list[tuple[list[int], list[float], int]]:
+    """Every running particle's exact speculative step on q_loc with its point-mass draft,
+    computed for all distinct rows at once (particles holding equal tokens share q_loc).
+
+    With the point-mass draft, d_j is accepted with probability q_loc(d_j) (log u_j <
+    log q_loc(d_j)); at the first rejection j the token is drawn from the residual, q_loc with d_j
+    removed (norm(max(0, q_loc - delta_{d_j}))); after m acceptances the bonus is drawn from q_loc
+    after d_m. Where the residual has no mass in float32 (q_loc(d_j) rounds to 1) the token is
+    drawn from q_loc (`residual_token`'s rule). A row whose q_loc has no mass at some position
+    j <= m reaches no further: it keeps d_1..d_j and an EOS filler, with log Z_j = -inf.
+
+    The uniforms of every acceptance test are drawn first, in particle order, then one token per
+    particle in one call: the draws depend on this request's generator only.
+
+    Args:
+        cycle: the cycle's proposals.
+        logits: [U, width, V] float32 target logits of the distinct rows (`CycleProposals.feed`).
+
+    Returns:
+        Per running particle (emitted, log_z, accepted): the emitted tokens, the log Z term of each
+        emitted position, and how many drafts were accepted.
+    """
+    eos = plan.target.vocabulary.eos_token_id
+    masks = None
+    if any(m is not None for m in cycle.masks):
+        # [U, width, V]: each row's masks, all-allowed past its proposal
+        masks = torch.ones(logits.shape, dtype=torch.bool)
+        for u, m in enumerate(cycle.masks):
+            masks[u, : m.shape[0]] = m
+    # [U, width, V]: alpha log p_T, masked; [U, width]: its normalisers log Z
+    scores = plan.alpha * tempered_logprobs(logits, plan.target_temperature, masks)
+    log_z = torch.logsumexp(scores, -1)
+    width = logits.shape[1]
+    drafted = torch.tensor([d + [eos] * (width - 1 - len(d)) for d in cycle.drafted], dtype=torch.long).reshape(len(cycle.drafted), width - 1)
+    # [U, width - 1]: log q_loc(d_j) at each drafted position
+    log_accept = (scores[:, :-1].gather(-1, drafted[..., None]).squeeze(-1) - log_z[:, :-1]).double().tolist()
+    terms = log_z.double().tolist()
+    # the particles whose q_loc has mass at every position of their block draw; the others stop
+    blocked = [next((j for j, t in enumerate(terms[u][: len(d) + 1]) if not math.isfinite(t)), None) for u, d in enumerate(cycle.drafted)]
+    drawing = [r for r, u in enumerate(cycle.copy_of) if blocked[u] is None]
+    sizes = [len(cycle.drafted[cycle.copy_of[r]]) for r in drawing]
+    log_u = torch.rand(sum(sizes), generator=generator, dtype=torch.float64).log().split(sizes)
+    steps: dict[int, tuple[list[int], list[float], int]] = {}
+    rows, exclude = [], []
+    for r, logs in zip(drawing, log_u):
+        u = cycle.copy_of[r]
+        accepted = next((j for j, x in enumerate(logs.tolist()) if x >= log_accept[u][j]), len(cycle.drafted[u]))
+        steps[r] = (cycle.drafted[u][:accepted], terms[u][: accepted + 1], accepted)
+        rows.append((u, accepted))
+        exclude.append(cycle.drafted[u][accepted] if accepted < len(cycle.drafted[u]) else -1)
+    if rows:
+        # [P, V]: q_loc (unnormalised) at each drawing particle's last position, d_j removed on a rejection
+        last = scores[torch.tensor([u for u, _ in rows]), torch.tensor([j for _, j in rows])]
+        excluded = torch.tensor(exclude)
+        residual = last.clone()
+        rejected = (excluded >= 0).nonzero().flatten()
+        residual[rejected, excluded[rejected]] = float("-inf")
+        # a residual without mass in float32: q_loc(d_j) rounded to 1, the token comes from q_loc
+        residual = torch.where(torch.isfinite(residual).any(-1, keepdim=True), residual, last)
+        for (r, (kept, log_terms, accepted)), token in zip(list(steps.items()), sample_tokens(residual, generator).tolist()):
+            steps[r] = (kept + [token], log_terms, accepted)
+    out = []
+    for r, u in enumerate(cycle.copy_of):
+        if r in steps:
+            out.append(steps[r])
+        else:
+            j, d = blocked[u], cycle.drafted[u]
+            out.append((d[:j] + [eos], terms[u][: j + 1], j))
+    return out
+
+
 def extend_running(plan, drafter: FreeDrafter, cycle: CycleProposals, logits: torch.Tensor, tokens: list[list[int]], logw: torch.Tensor, generator, stop_at=None) -> tuple[list[int], list[int], list[bool]]:
     """Extend every running particle by its exact speculative step on q_loc, in particle order,
     and add its log Z terms to its weight (module docstring); the lookup adapts to each block.
@@ -182,10 +223,10 @@ def extend_running(plan, drafter: FreeDrafter, cycle: CycleProposals, logits: to
     """
     eos = plan.target.vocabulary.eos_token_id
     accepted_out, added, stopped = [], [], []
-    for r, i in enumerate(cycle.running):
+    steps = speculative_steps(plan, cycle, logits, generator)
+    for r, (i, (emitted, terms, accepted)) in enumerate(zip(cycle.running, steps)):
         u = cycle.copy_of[r]
         d = cycle.drafted[u]
-        emitted, terms, accepted = extend_particle(plan, d, logits[u, : len(d) + 1], cycle.masks[u], generator)
         new = trim_at_eos(emitted, eos)[: plan.max_tokens - len(tokens[i])]
         column = stop_at(tokens[i], new) if stop_at is not None else None
         if column is not None:
