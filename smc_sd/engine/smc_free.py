@@ -167,41 +167,38 @@ def speculative_steps(plan, cycle: CycleProposals, logits: torch.Tensor, generat
     scores = plan.alpha * tempered_logprobs(logits, plan.target_temperature, masks)
     log_z = torch.logsumexp(scores, -1)
     width = logits.shape[1]
-    drafted = torch.tensor([d + [eos] * (width - 1 - len(d)) for d in cycle.drafted], dtype=torch.long).reshape(len(cycle.drafted), width - 1)
+    drafted = torch.tensor([d + [eos] * (width - 1 - len(d)) for d in cycle.drafted], dtype=torch.long)
     # [U, width - 1]: log q_loc(d_j) at each drafted position
     log_accept = (scores[:, :-1].gather(-1, drafted[..., None]).squeeze(-1) - log_z[:, :-1]).double().tolist()
     terms = log_z.double().tolist()
-    # the particles whose q_loc has mass at every position of their block draw; the others stop
+    # per distinct row: the first position where q_loc has no mass (None: it has mass at every one);
+    # the particles of rows with mass everywhere draw, the others stop
     blocked = [next((j for j, t in enumerate(terms[u][: len(d) + 1]) if not math.isfinite(t)), None) for u, d in enumerate(cycle.drafted)]
-    drawing = [r for r, u in enumerate(cycle.copy_of) if blocked[u] is None]
-    sizes = [len(cycle.drafted[cycle.copy_of[r]]) for r in drawing]
-    log_u = torch.rand(sum(sizes), generator=generator, dtype=torch.float64).log().split(sizes)
-    steps: dict[int, tuple[list[int], list[float], int]] = {}
-    rows, exclude = [], []
-    for r, logs in zip(drawing, log_u):
-        u = cycle.copy_of[r]
-        accepted = next((j for j, x in enumerate(logs.tolist()) if x >= log_accept[u][j]), len(cycle.drafted[u]))
-        steps[r] = (cycle.drafted[u][:accepted], terms[u][: accepted + 1], accepted)
-        rows.append((u, accepted))
-        exclude.append(cycle.drafted[u][accepted] if accepted < len(cycle.drafted[u]) else -1)
-    if rows:
+    sizes = [len(cycle.drafted[u]) for u in cycle.copy_of if blocked[u] is None]
+    log_u = iter(torch.rand(sum(sizes), generator=generator, dtype=torch.float64).log().split(sizes))
+    # per running particle (kept drafts, log Z terms, accepted); the drawing ones' (u, j, d_j or -1)
+    out, draws = [], []
+    for u in cycle.copy_of:
+        d, j = cycle.drafted[u], blocked[u]
+        if j is not None:
+            out.append((d[:j] + [eos], terms[u][: j + 1], j))
+            continue
+        accepted = next((k for k, x in enumerate(next(log_u).tolist()) if x >= log_accept[u][k]), len(d))
+        draws.append((len(out), u, accepted, d[accepted] if accepted < len(d) else -1))
+        out.append((d[:accepted], terms[u][: accepted + 1], accepted))
+    if draws:
+        at, rows, columns, excluded = zip(*draws)
         # [P, V]: q_loc (unnormalised) at each drawing particle's last position, d_j removed on a rejection
-        last = scores[torch.tensor([u for u, _ in rows]), torch.tensor([j for _, j in rows])]
-        excluded = torch.tensor(exclude)
+        last = scores[torch.tensor(rows), torch.tensor(columns)]
+        excluded = torch.tensor(excluded)
         residual = last.clone()
         rejected = (excluded >= 0).nonzero().flatten()
         residual[rejected, excluded[rejected]] = float("-inf")
         # a residual without mass in float32: q_loc(d_j) rounded to 1, the token comes from q_loc
         residual = torch.where(torch.isfinite(residual).any(-1, keepdim=True), residual, last)
-        for (r, (kept, log_terms, accepted)), token in zip(list(steps.items()), sample_tokens(residual, generator).tolist()):
-            steps[r] = (kept + [token], log_terms, accepted)
-    out = []
-    for r, u in enumerate(cycle.copy_of):
-        if r in steps:
-            out.append(steps[r])
-        else:
-            j, d = blocked[u], cycle.drafted[u]
-            out.append((d[:j] + [eos], terms[u][: j + 1], j))
+        for r, token in zip(at, sample_tokens(residual, generator).tolist()):
+            kept, log_terms, accepted = out[r]
+            out[r] = (kept + [token], log_terms, accepted)
     return out
 
 
