@@ -259,7 +259,8 @@ class HFLanguageModel(LanguageModel):
             tokens: [T] int64 on the model's device: every row's new tokens, row after row.
             positions: [T] int64: each token's position in its own row.
             spans: where each row's tokens and keys lie in the packed sequences.
-            cache: a Cache whose every layer returns the rows' keys end to end, as `spans` says.
+            cache: a Cache whose every layer returns the rows' keys [R, H, K, D], one row each,
+                padded to the longest (`spans` says how many each row sees).
             keep: [J] int64 packed indices whose logits are wanted (None: all T).
 
         Returns:

@@ -91,7 +91,8 @@ def paged_cache(store: KVStore, past: int, write_slots, read_slots) -> Cache:
     Args:
         past: S, positions already cached per row.
         write_slots: [B, L] int64 slots of the appended positions, on the store's device.
-        read_slots: [B, S + L] int64 slots of every position.
+        read_slots: [B, S + L] int64 slots of every position (a packed forward writes one row
+            [1, T] and reads its R rows padded, [R, K]).
     """
     # computed once for all layers: every layer's tensors share one layout
     write_rows, read_rows = store.head_rows(write_slots), store.head_rows(read_slots)
@@ -339,14 +340,14 @@ class PagedHFSequences(Sequences):
         starts = self._table.lengths - counts
         # [T]: each new token's position in its row
         positions = torch.repeat_interleave(starts - counts.cumsum(0) + counts, counts) + torch.arange(int(counts.sum()))
-        # the rows that read tokens: their keys, row after row ([sum lengths] slots)
+        # the rows that read tokens: their keys, padded to the longest ([R, max length] slots)
         reading = counts > 0
         lengths = self._table.lengths[reading]
-        read = manager.slots(self._table, 0, int(lengths.max()))[reading][torch.arange(int(lengths.max()))[None, :] < lengths[:, None]]
+        read = manager.slots(self._table, 0, int(lengths.max()))[reading]
         store.ensure_capacity(manager.pool.capacity)
         store.copy_blocks(copies)
-        cache = paged_cache(store, int(starts.max()), slots[None].to(device), read[None].to(device))
-        spans = RowSpans.of(counts[reading], lengths)
+        cache = paged_cache(store, int(starts.max()), slots[None].to(device), read.to(device))
+        spans = RowSpans.of(counts[reading], lengths, device)
         logits = self._lm._forward_packed(tokens.to(device), positions.to(device), spans, cache, None if keep is None else keep.to(device))
         manager.commit(self._table, starts)
         return logits
