@@ -110,6 +110,14 @@ def test_cached_positions_are_recomputed_on_request(vllm_lm, prompt):
     torch.testing.assert_close(again.extend(tokens), reference, atol=LAW_ATOL, rtol=0)
 
 
+def continuation_logprobs(lm, prompt, continuation: list[int]) -> torch.Tensor:
+    """[1 + T, V] log p_T before each token of `continuation` and after its last, from `lm`."""
+    rows, first = lm.open(prompt, 1)
+    logits = torch.cat([first.expand(1, 1, -1), rows.extend(torch.tensor([continuation]))], 1)
+    rows.close()
+    return tempered_logprobs(logits[0], 1.0)
+
+
 def run_program(method, target, draft, prompt, seed, max_tokens=12, particles=None, **options):
     module = get(method)
     builder = module.program(target, **options) if method == "ar" else module.program(target, draft, **options)
@@ -118,16 +126,19 @@ def run_program(method, target, draft, prompt, seed, max_tokens=12, particles=No
 
 
 @pytest.mark.parametrize("method", ["ar", "sd", "smc-sd"])
-def test_program_runs_on_vllm(vllm_lm, vllm_draft, hf_lm, hf_draft, prompt, method):
-    """Valid output, and the same tokens as on hf from the same seed (the logits agree to ~1e-4)."""
+def test_program_runs_on_vllm(vllm_lm, vllm_draft, hf_lm, prompt, method):
+    """Valid output, whose tokens vLLM scores as hf does.
+
+    Not the same tokens as hf from the same seed: a uniform within float32 round-off (~1e-4) of a
+    boundary between two tokens picks different ones on the two backends."""
     options = {} if method == "ar" else {"draft_len": 3}
     result = run_program(method, vllm_lm, vllm_draft, prompt, seed=1, **options)
     assert 1 <= len(result.tokens) <= 12
     assert all(0 <= token < vllm_lm.vocabulary.size for row in result.particles for token in row)
     assert math.isfinite(result.log_ml) and result.target_passes >= 1
     assert isinstance(result.text, str) and result.text
-    reference = run_program(method, hf_lm, hf_draft, prompt, seed=1, **options)
-    assert result.tokens == reference.tokens
+    on_vllm, on_hf = (continuation_logprobs(lm, prompt, result.tokens) for lm in (vllm_lm, hf_lm))
+    assert (on_vllm - on_hf).abs().max() <= LOGPROB_ATOL
 
 
 ANSWER_REGEX = r"(Yes|No)\."

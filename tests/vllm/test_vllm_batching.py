@@ -14,6 +14,7 @@ from smc_sd.backends.hf import chat_prompt
 from smc_sd.engine.batch import BatchEngine, Request
 from smc_sd.program import FreeDraft, Schedule
 from smc_sd.programs import get
+from tests.vllm.test_vllm_backend import LOGPROB_ATOL, continuation_logprobs
 
 pytestmark = [pytest.mark.vllm, pytest.mark.model]
 
@@ -80,12 +81,17 @@ def test_requests_share_target_passes_and_draw_what_they_draw_alone(vllm_lm, vll
 
 
 def test_smc_sd_with_the_free_draft_runs_on_vllm_as_on_hf(vllm_lm, hf_lm):
-    """N = 4 particles that advance by different numbers of tokens: the same tokens as on hf
-    (the logits agree to ~1e-4), from `run` and from `run_many` alike."""
+    """N = 4 particles that advance by different numbers of tokens, from `run` and from `run_many`
+    alike, scored on vLLM as on hf.
+
+    The comparison with hf is on log p_T of the particles vLLM drew, not on tokens drawn by each
+    backend from the same seed: the logits differ by float32 round-off (~1e-4), so a uniform that
+    falls within that much of a boundary between two tokens picks different tokens on the two
+    backends, and from there the runs part (seen on a processor with AMX, seed 0, token 8).
+    """
     prompt = chat_prompt(vllm_lm.tokenizer, REPEAT)
     schedule, seeds = Schedule(4, max_tokens=16), [0, 1, 2]
     program = get("smc-sd").program(vllm_lm, None, free_draft=FreeDraft())
-    reference = get("smc-sd").program(hf_lm, None, free_draft=FreeDraft())
     spreads = []
 
     def record(stats, particles):
@@ -95,7 +101,9 @@ def test_smc_sd_with_the_free_draft_runs_on_vllm_as_on_hf(vllm_lm, hf_lm):
     # the free draft's blocks were accepted to different depths: particles of different lengths
     assert max(spreads) > 1
     batched = program.run_many([prompt] * len(seeds), schedule, seeds=seeds)
-    for seed, single, result in zip(seeds, alone, batched):
+    for single, result in zip(alone, batched):
         assert math.isfinite(single.log_ml) and 1 <= len(single.tokens) <= 16
         assert result.particles == single.particles and result.chosen == single.chosen
-        assert single.tokens == reference.run(prompt, schedule, seed=seed).tokens
+        for particle in filter(None, single.particles):
+            on_vllm, on_hf = (continuation_logprobs(lm, prompt, particle) for lm in (vllm_lm, hf_lm))
+            assert (on_vllm - on_hf).abs().max() <= LOGPROB_ATOL
