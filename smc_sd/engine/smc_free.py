@@ -188,18 +188,31 @@ def speculative_steps(plan, cycle: CycleProposals, logits: torch.Tensor, generat
         out.append((d[:accepted], terms[u][: accepted + 1], accepted))
     if draws:
         at, rows, columns, excluded = zip(*draws)
-        # [P, V]: q_loc (unnormalised) at each drawing particle's last position, d_j removed on a rejection
-        last = scores[torch.tensor(rows), torch.tensor(columns)]
-        excluded = torch.tensor(excluded)
-        residual = last.clone()
-        rejected = (excluded >= 0).nonzero().flatten()
-        residual[rejected, excluded[rejected]] = float("-inf")
-        # a residual without mass in float32: q_loc(d_j) rounded to 1, the token comes from q_loc
-        residual = torch.where(torch.isfinite(residual).any(-1, keepdim=True), residual, last)
-        for r, token in zip(at, sample_tokens(residual, generator).tolist()):
+        for r, token in zip(at, residual_or_bonus_tokens(scores, rows, columns, excluded, generator)):
             kept, log_terms, accepted = out[r]
             out[r] = (kept + [token], log_terms, accepted)
     return out
+
+
+def residual_or_bonus_tokens(scores: torch.Tensor, rows, columns, excluded, generator) -> list[int]:
+    """One token per drawing particle, in one call: from q_loc at (row, column) with the rejected
+    draft `excluded` removed (the residual), or from q_loc itself where `excluded` is -1 (the
+    bonus after m acceptances) or where the residual has no mass in float32 (q_loc(d_j) rounded
+    to 1).
+
+    Args:
+        scores: [U, width, V] alpha log p_T, masked (q_loc unnormalised).
+        rows, columns, excluded: per drawing particle, its distinct row, position and rejected
+            draft (-1: none).
+    """
+    # [P, V]: q_loc (unnormalised) at each drawing particle's last position, d_j removed on a rejection
+    last = scores[torch.tensor(rows), torch.tensor(columns)]
+    excluded = torch.tensor(excluded)
+    residual = last.clone()
+    rejected = (excluded >= 0).nonzero().flatten()
+    residual[rejected, excluded[rejected]] = float("-inf")
+    residual = torch.where(torch.isfinite(residual).any(-1, keepdim=True), residual, last)
+    return sample_tokens(residual, generator).tolist()
 
 
 def extend_running(plan, drafter: FreeDrafter, cycle: CycleProposals, logits: torch.Tensor, tokens: list[list[int]], logw: torch.Tensor, generator, stop_at=None) -> tuple[list[int], list[int], list[bool]]:
