@@ -15,20 +15,24 @@ import urllib.request
 import openai
 
 MODEL = "SmolLM2-135M-Instruct"
-# float32 on every processor: the tests ask one seed for the same answer twice, and in bfloat16
-# (`--dtype auto` where the processor has AMX) the round-off between a prompt computed fresh and
-# its KV read from the prefix cache moves the sample a seed names (docs/batching.md)
-SERVE = [sys.executable, "-m", "smc_sd.cli", "serve", "--port", "0", "--dtype", "float32"]
+SERVE = [sys.executable, "-m", "smc_sd.cli", "serve", "--port", "0"]
 #: seconds a server may take to start (the first run converts the default model, about 35 s)
 START_SECONDS = 300
 
 
 class ServerProcess:
-    """`smc-sd serve` in a subprocess; `url` is its API base, `stderr` the lines it wrote."""
+    """`smc-sd serve` in a subprocess; `url` is its API base, `stderr` the lines it wrote.
 
-    def __init__(self, *flags: str):
+    `dtype` is float32 on every processor: the tests ask one seed for the same answer twice, and
+    in bfloat16 (`--dtype auto` where the processor has AMX) the round-off between a prompt
+    computed fresh and its KV read from the prefix cache moves the sample a seed names
+    (docs/batching.md). None passes no --dtype (llama.cpp runs the GGUF's own weight format).
+    """
+
+    def __init__(self, *flags: str, dtype: str | None = "float32"):
         env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
-        self.process = subprocess.Popen([*SERVE, *flags], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+        precision = ["--dtype", dtype] if dtype else []
+        self.process = subprocess.Popen([*SERVE, *precision, *flags], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                         stderr=subprocess.PIPE, text=True, env=env)
         self.stderr: list[str] = []
         ready = threading.Event()

@@ -22,7 +22,7 @@ SCHEMA = {"type": "object", "properties": {"city": {"type": "string", "maxLength
 
 @pytest.fixture(scope="module")
 def client(q8_gguf):
-    process = ServerProcess("--backend", "llama-cpp", "--draft", str(q8_gguf))
+    process = ServerProcess("--backend", "llama-cpp", "--draft", str(q8_gguf), dtype=None)
     yield process.client()
     process.stop()
 
