@@ -74,17 +74,20 @@ def test_truncate_consistent(vllm_lm, prompt, continuation_rows, kept):
     testing.assert_truncate_consistent(vllm_lm, prompt, continuation_rows, kept, LAW_ATOL)
 
 
+def continuation_logprobs(lm, prompt, continuations: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """[B, 1 + T, V] log p_T at `temperature` before each token of the [B, T] `continuations`
+    (one row each, after `prompt`) and after the last, from `lm`."""
+    rows, first = lm.open(prompt, continuations.shape[0])
+    logits = torch.cat([first.expand(rows.batch_size, 1, -1), rows.extend(continuations)], 1)
+    rows.close()
+    return tempered_logprobs(logits, temperature)
+
+
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_target_logprobs_match_hf(vllm_lm, hf_lm, prompt, continuation_rows, temperature):
     """log p_T of fixed continuations, every position and the whole vocabulary, within 1e-3."""
-    logprobs = []
-    for lm in (vllm_lm, hf_lm):
-        rows, first = lm.open(prompt, continuation_rows.shape[0])
-        # [B, 1 + T, V]: the distribution before each continuation token and after the last
-        logits = torch.cat([first.expand(rows.batch_size, 1, -1), rows.extend(continuation_rows)], 1)
-        rows.close()
-        logprobs.append(tempered_logprobs(logits, temperature))
-    assert (logprobs[0] - logprobs[1]).abs().max() <= LOGPROB_ATOL
+    on_vllm, on_hf = (continuation_logprobs(lm, prompt, continuation_rows, temperature) for lm in (vllm_lm, hf_lm))
+    assert (on_vllm - on_hf).abs().max() <= LOGPROB_ATOL
 
 
 def test_repeated_rows_reuse_the_prefix_cache(vllm_lm, prompt):
@@ -110,14 +113,6 @@ def test_cached_positions_are_recomputed_on_request(vllm_lm, prompt):
     torch.testing.assert_close(again.extend(tokens), reference, atol=LAW_ATOL, rtol=0)
 
 
-def continuation_logprobs(lm, prompt, continuation: list[int]) -> torch.Tensor:
-    """[1 + T, V] log p_T before each token of `continuation` and after its last, from `lm`."""
-    rows, first = lm.open(prompt, 1)
-    logits = torch.cat([first.expand(1, 1, -1), rows.extend(torch.tensor([continuation]))], 1)
-    rows.close()
-    return tempered_logprobs(logits[0], 1.0)
-
-
 def run_program(method, target, draft, prompt, seed, max_tokens=12, particles=None, **options):
     module = get(method)
     builder = module.program(target, **options) if method == "ar" else module.program(target, draft, **options)
@@ -137,7 +132,7 @@ def test_program_runs_on_vllm(vllm_lm, vllm_draft, hf_lm, prompt, method):
     assert all(0 <= token < vllm_lm.vocabulary.size for row in result.particles for token in row)
     assert math.isfinite(result.log_ml) and result.target_passes >= 1
     assert isinstance(result.text, str) and result.text
-    on_vllm, on_hf = (continuation_logprobs(lm, prompt, result.tokens) for lm in (vllm_lm, hf_lm))
+    on_vllm, on_hf = (continuation_logprobs(lm, prompt, torch.tensor([result.tokens])) for lm in (vllm_lm, hf_lm))
     assert (on_vllm - on_hf).abs().max() <= LOGPROB_ATOL
 
 

@@ -8,6 +8,7 @@ Run in the vLLM environment with `python -m pytest tests/vllm -m vllm` (see READ
 import math
 
 import pytest
+import torch
 
 from smc_sd import testing
 from smc_sd.backends.hf import chat_prompt
@@ -105,5 +106,5 @@ def test_smc_sd_with_the_free_draft_runs_on_vllm_as_on_hf(vllm_lm, hf_lm):
         assert math.isfinite(single.log_ml) and 1 <= len(single.tokens) <= 16
         assert result.particles == single.particles and result.chosen == single.chosen
         for particle in filter(None, single.particles):
-            on_vllm, on_hf = (continuation_logprobs(lm, prompt, particle) for lm in (vllm_lm, hf_lm))
+            on_vllm, on_hf = (continuation_logprobs(lm, prompt, torch.tensor([particle])) for lm in (vllm_lm, hf_lm))
             assert (on_vllm - on_hf).abs().max() <= LOGPROB_ATOL
