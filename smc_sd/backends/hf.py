@@ -258,9 +258,9 @@ class HFLanguageModel(LanguageModel):
         Args:
             tokens: [T] int64 on the model's device: every row's new tokens, row after row.
             positions: [T] int64: each token's position in its own row.
-            spans: where each row's tokens and keys lie in the packed sequences.
-            cache: a Cache whose every layer returns the rows' keys [R, H, K, D], one row each,
-                padded to the longest (`spans` says how many each row sees).
+            spans: how the rows are attended, in groups.
+            cache: a Cache whose every layer returns the rows' keys and values group by group:
+                a tuple of [S_g, H, K_g, D] each, padded within the group (`RowSpans.split`).
             keep: [J] int64 packed indices whose logits are wanted (None: all T).
 
         Returns:

@@ -55,7 +55,8 @@ class PagedLayer(CacheLayerMixin):
         layer: this layer's index in the store.
         past: S, positions already cached per row.
         write_rows: [B, H, L] int64 store rows (`KVStore.head_rows`) of the appended positions.
-        read_rows: [B, H, S + L] int64 store rows of every position.
+        read_rows: [B, H, S + L] int64 store rows of every position, or one such tensor per row
+            group of a packed forward ([S_g, H, K_g], `RowSpans.split`).
     """
 
     is_compileable = False
@@ -71,9 +72,13 @@ class PagedLayer(CacheLayerMixin):
         """Nothing to allocate: the store already exists."""
 
     def update(self, key_states, value_states, *args, **kwargs):
-        """Write the new KV [B, H, L, D]; return every position's KV [B, H, S + L, D]."""
+        """Write the new KV [B, H, L, D]; return every position's KV [B, H, S + L, D] (a packed
+        forward: a tuple of keys and one of values, a tensor per row group)."""
         self.store.write(self.layer, self.write_rows, key_states, value_states)
-        return self.store.read(self.layer, self.read_rows)
+        if isinstance(self.read_rows, torch.Tensor):
+            return self.store.read(self.layer, self.read_rows)
+        groups = [self.store.read(self.layer, rows) for rows in self.read_rows]
+        return tuple(keys for keys, _ in groups), tuple(values for _, values in groups)
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self.past + query_length, 0
@@ -92,10 +97,14 @@ def paged_cache(store: KVStore, past: int, write_slots, read_slots) -> Cache:
         past: S, positions already cached per row.
         write_slots: [B, L] int64 slots of the appended positions, on the store's device.
         read_slots: [B, S + L] int64 slots of every position (a packed forward writes one row
-            [1, T] and reads its R rows padded, [R, K]).
+            [1, T] and reads its rows group by group: a tuple of [S_g, K_g], `RowSpans.split`).
     """
     # computed once for all layers: every layer's tensors share one layout
-    write_rows, read_rows = store.head_rows(write_slots), store.head_rows(read_slots)
+    write_rows = store.head_rows(write_slots)
+    if isinstance(read_slots, torch.Tensor):
+        read_rows = store.head_rows(read_slots)
+    else:
+        read_rows = tuple(store.head_rows(slots) for slots in read_slots)
     return Cache(
         layers=[PagedLayer(store, layer, past, write_rows, read_rows) for layer in range(len(store.keys))]
     )
@@ -340,14 +349,14 @@ class PagedHFSequences(Sequences):
         starts = self._table.lengths - counts
         # [T]: each new token's position in its row
         positions = torch.repeat_interleave(starts - counts.cumsum(0) + counts, counts) + torch.arange(int(counts.sum()))
-        # the rows that read tokens: their keys, padded to the longest ([R, max length] slots)
+        # the rows that read tokens, and their slots ([R, max length]) group by group
         reading = counts > 0
         lengths = self._table.lengths[reading]
-        read = manager.slots(self._table, 0, int(lengths.max()))[reading]
+        spans = RowSpans.of(counts[reading], lengths, device)
+        read = spans.split(manager.slots(self._table, 0, int(lengths.max()))[reading].to(device))
         store.ensure_capacity(manager.pool.capacity)
         store.copy_blocks(copies)
-        cache = paged_cache(store, int(starts.max()), slots[None].to(device), read.to(device))
-        spans = RowSpans.of(counts[reading], lengths, device)
+        cache = paged_cache(store, int(starts.max()), slots[None].to(device), read)
         logits = self._lm._forward_packed(tokens.to(device), positions.to(device), spans, cache, None if keep is None else keep.to(device))
         manager.commit(self._table, starts)
         return logits
