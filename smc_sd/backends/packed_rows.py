@@ -20,7 +20,8 @@ padding query's output is dropped, a padding key is masked), so the groups keep 
   within a class, rows ordered by seen_b from the longest, a group ends before a row that sees
   fewer than 1 / KEY_SLACK of the group's first row's keys.
 
-Padded queries are then fewer than 2x the real ones and padded keys fewer than KEY_SLACK x.
+A group's padded queries per row are then fewer than 2x the row's own, its padded keys at most
+KEY_SLACK x.
 Padding every block of a cycle to the widest and every row's keys to the longest computed 3.6x
 the real attention on the serve extraction workload (smc-sd N = 4 with the free draft: most
 particles read 1 token, a few 8 to 16, prompts of different lengths). The keys reach the attention
