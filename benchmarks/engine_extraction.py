@@ -32,14 +32,10 @@ import time
 
 import torch
 from _common import emit, environment
-from serve import extraction_asks
+from serve import EXTRACTION_METHODS, extraction_asks
 
-#: the extraction methods of serve.py, as request body fields
-METHODS = {
-    "ar": {"method": "ar"},
-    "mask-at-verify free": {"method": "mask-at-verify", "draft": "free"},
-    "smc-sd free": {"method": "smc-sd", "draft": "free", "particles": 4},
-}
+#: the extraction methods of serve.py, as request body fields by label
+METHODS = dict(EXTRACTION_METHODS)
 
 
 class ForwardClock:
