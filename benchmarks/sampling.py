@@ -5,6 +5,12 @@ Both draw from softmax(scores) given the same [B, V] float32 scores (random logi
 real ones); B covers a draft step (N rows) and a verify's bonus and drafted positions (N (K + 1)).
 Reported per B: median milliseconds per call of each, and multinomial_over_inverse_cdf.
 
+`exp` times the engine's floored exp and logsumexp (`exp_floored`, `logsumexp_floored`) against
+torch.exp and torch.logsumexp over 16 rows of three kinds: random logits at scale 3; log-probabilities
+masked to 1% of the tokens (the rest -inf, as under a constraint); log-probabilities at T = 0.3 of
+logits at scale 10 (most entries below the floor, -70). Reported per kind: median milliseconds of each and
+torch_over_floored.
+
 Usage: OMP_NUM_THREADS=1 python benchmarks/sampling.py [--repeats 40] [--no-write]
 """
 
@@ -20,6 +26,8 @@ from _common import emit, environment
 
 VOCABULARY = 49152
 BATCHES = (1, 4, 8, 20, 40)
+#: rows of the exp comparison: a verify of 16 positions
+EXP_ROWS = 16
 
 
 def multinomial(scores: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
@@ -39,6 +47,33 @@ def median_ms(sample, scores: torch.Tensor, repeats: int) -> float:
     return 1000 * statistics.median(times)
 
 
+def exp_kinds() -> dict[str, torch.Tensor]:
+    """The rows the floored exp is timed on (module docstring), [EXP_ROWS, V] float32 each."""
+    generator = torch.Generator().manual_seed(0)
+    logits = torch.randn(EXP_ROWS, VOCABULARY, generator=generator)
+    allowed = torch.rand(EXP_ROWS, VOCABULARY, generator=generator) < 0.01
+    return {"random logits": 3 * logits,
+            "masked to 1%": torch.log_softmax(3 * logits, -1).masked_fill(~allowed, float("-inf")),
+            "T = 0.3": torch.log_softmax(10 * logits / 0.3, -1)}
+
+
+def exp_rows(repeats: int) -> list[dict]:
+    """torch.exp and torch.logsumexp against the engine's floored ones, per kind of row."""
+    from smc_sd.engine.sampling import EXP_FLOOR, exp_floored, logsumexp_floored
+
+    pairs = {"exp": (torch.exp, exp_floored),
+             "logsumexp": (lambda x: torch.logsumexp(x, -1), lambda x: logsumexp_floored(x, -1))}
+    rows = []
+    for kind, scores in exp_kinds().items():
+        row = {"kind": kind, "below_floor": float((scores < EXP_FLOOR).double().mean())}
+        for name, (exact, floored) in pairs.items():
+            torch_ms = median_ms(lambda x, _: exact(x), scores, repeats)
+            floored_ms = median_ms(lambda x, _: floored(x), scores, repeats)
+            row |= {f"torch_{name}_ms": torch_ms, f"floored_{name}_ms": floored_ms, f"{name}_torch_over_floored": torch_ms / floored_ms}
+        rows.append(row)
+    return rows
+
+
 def main(argv: list[str] | None = None) -> dict:
     from smc_sd.engine.sampling import sample_tokens
 
@@ -54,7 +89,7 @@ def main(argv: list[str] | None = None) -> dict:
         rows.append({"rows": batch, "inverse_cdf_ms": inverse_cdf, "multinomial_ms": former,
                      "multinomial_over_inverse_cdf": former / inverse_cdf})
     data = {"benchmark": "sampling", "vocabulary": VOCABULARY, "repeats": args.repeats,
-            "environment": environment(), "rows": rows}
+            "environment": environment(), "rows": rows, "exp": exp_rows(args.repeats)}
     emit("sampling", data, write=not args.no_write)
     return data
 

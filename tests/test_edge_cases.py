@@ -8,7 +8,7 @@ import torch
 
 from smc_sd import AllParticlesDiedError
 from smc_sd.backends.toy import ToyLM
-from smc_sd.engine.sampling import sample_tokens, tempered_logprobs
+from smc_sd.engine.sampling import EXP_FLOOR, FLOOR_WEIGHT, exp_floored, logsumexp_floored, sample_tokens, tempered_logprobs
 from smc_sd.engine.speculative import accept_or_resample
 from smc_sd.metrics import empirical, total_variation, tv_tolerance
 from smc_sd.program import Schedule
@@ -53,6 +53,30 @@ def test_sample_tokens_follows_the_softmax_and_never_draws_probability_zero(monk
     # uniforms at the very top of [0, 1) still land on the last token of positive probability
     monkeypatch.setattr(torch, "rand", lambda shape, **kw: torch.full(shape, 1 - 2**-53, dtype=torch.float64))
     assert sample_tokens(scores, generator).tolist() == [3, 2]
+
+
+def test_floored_exp_is_zero_at_and_below_the_floor_and_within_its_weight_elsewhere():
+    x = torch.tensor([-math.inf, -200.0, EXP_FLOOR - 1, EXP_FLOOR, EXP_FLOOR + 1e-3, -69.0, -50.0, -1.0, 0.0, 3.0])
+    weights = exp_floored(x)
+    assert weights.dtype == torch.float32 and bool((weights[x <= EXP_FLOOR] == 0).all())
+    assert bool((weights[x > -60] > 0).all()) and bool((weights.diff() >= 0).all())
+    # within C of exp(x), up to float32 rounding of exp(x) itself
+    exact = x.double().exp()
+    assert bool(((weights.double() - exact).abs() <= FLOOR_WEIGHT + 2**-23 * exact).all())
+
+
+def test_floored_logsumexp_matches_the_exact_one_on_masked_and_low_temperature_rows():
+    generator = torch.Generator().manual_seed(0)
+    logits = torch.randn(3, 4000, generator=generator) * 8
+    mask = torch.rand(3, 4000, generator=generator) < 0.01
+    scores = torch.cat([tempered_logprobs(logits, 0.2), tempered_logprobs(logits, 1.0, mask), torch.full((1, 4000), -math.inf)])
+    # most entries of the T = 0.2 rows lie below the floor
+    assert float((scores[:3] < EXP_FLOOR).double().mean()) > 0.5
+    exact = torch.logsumexp(scores.double(), -1)
+    floored = logsumexp_floored(scores, -1)
+    assert floored[-1] == -math.inf
+    assert float((floored[:-1].double() - exact[:-1]).abs().max()) < 1e-5
+    assert torch.equal(logsumexp_floored(scores[0], 0), floored[0])
 
 
 def test_logits_contract_allows_minus_inf_but_not_nan():

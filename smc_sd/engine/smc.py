@@ -33,7 +33,7 @@ import torch
 from smc_sd.engine.drafting import DraftBlock, block_masks
 from smc_sd.engine.resampling import log_mean_weight, normalised_weights
 from smc_sd.engine.rescoring import rescore, retwist
-from smc_sd.engine.sampling import gather_last, sample_tokens, tempered_logprobs
+from smc_sd.engine.sampling import gather_last, logsumexp_floored, sample_tokens, tempered_logprobs
 
 
 @dataclass(frozen=True)
@@ -87,7 +87,7 @@ def first_draws(plan, first_logits: torch.Tensor, first_mask: torch.Tensor | Non
     """
     # [V]: alpha log p_T of the first token, masked by the constraints
     scores = plan.alpha * tempered_logprobs(first_logits, plan.target_temperature, first_mask)
-    log_z0 = float(torch.logsumexp(scores, 0))
+    log_z0 = float(logsumexp_floored(scores, 0))
     first = sample_tokens((scores if math.isfinite(log_z0) else first_logits.float()).expand(n, -1), generator)
     return first, log_z0
 
@@ -148,7 +148,7 @@ def verify_block(plan, target_logits: torch.Tensor, draft: DraftBlock, mask_at, 
     bonus = sample_tokens(drawn_from, generator)
     # [A, K + 1] log-weight increments: drafted columns, then the bonus normaliser
     increments = torch.cat(
-        [gather_last(scores[:, :k], drafted) - gather_last(draft.logq, drafted), torch.logsumexp(bonus_scores, -1, keepdim=True)], 1
+        [gather_last(scores[:, :k], drafted) - gather_last(draft.logq, drafted), logsumexp_floored(bonus_scores, -1)[:, None]], 1
     ).double()
     if draft.dead is not None:
         increments[:, :k] = increments[:, :k].masked_fill(draft.dead, -math.inf)

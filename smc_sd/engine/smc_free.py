@@ -35,7 +35,7 @@ import torch
 
 from smc_sd.engine.drafting import trim_at_eos
 from smc_sd.engine.free_drafts import FreeDrafter, allowed_prefix
-from smc_sd.engine.sampling import sample_tokens, tempered_logprobs
+from smc_sd.engine.sampling import logsumexp_floored, sample_tokens, tempered_logprobs
 
 
 def proposals(plan, drafter: FreeDrafter, tokens: list[list[int]], running: list[int]) -> tuple[list[list[int]], list, list[int]]:
@@ -165,7 +165,7 @@ def speculative_steps(plan, cycle: CycleProposals, logits: torch.Tensor, generat
             masks[u, : m.shape[0]] = m
     # [U, width, V]: alpha log p_T, masked; [U, width]: its normalisers log Z
     scores = plan.alpha * tempered_logprobs(logits, plan.target_temperature, masks)
-    log_z = torch.logsumexp(scores, -1)
+    log_z = logsumexp_floored(scores, -1)
     width = logits.shape[1]
     drafted = torch.tensor([d + [eos] * (width - 1 - len(d)) for d in cycle.drafted], dtype=torch.long)
     # [U, width - 1]: log q_loc(d_j) at each drafted position

@@ -19,7 +19,7 @@ import math
 import torch
 
 from smc_sd.engine.masking import masked_logprobs
-from smc_sd.engine.sampling import gather_last, sample_tokens, tempered_logprobs
+from smc_sd.engine.sampling import exp_floored, gather_last, sample_tokens, tempered_logprobs
 from smc_sd.engine.drafting import DraftBlock
 from smc_sd.engine.smc import first_draws
 from smc_sd.engine.free_drafts import FreeDrafter, allowed_prefix, point_mass_rows
@@ -63,7 +63,7 @@ def residual_token(logp: torch.Tensor, logq: torch.Tensor, generator: torch.Gene
     Returns:
         The token id.
     """
-    residual = torch.clamp(logp.exp() - logq.exp(), min=0.0)
+    residual = torch.clamp(exp_floored(logp) - exp_floored(logq), min=0.0)
     if not residual.sum() > 0:
         return int(sample_tokens(logp[None], generator))
     return int(sample_tokens(residual.log()[None], generator))
