@@ -11,9 +11,9 @@ import math
 import torch
 
 #: F: below it exp is floored (`exp_floored`). Under about -87.3 a float32 exp is subnormal or 0,
-#: and torch's CPU exp takes a slow path for such arguments (and for -inf): over a masked
-#: vocabulary, or a low-temperature one where most log-probabilities lie below -87, it ran
-#: 5-25x slower than over finite logits (one thread, 16 rows of 49,152).
+#: and torch's CPU exp takes a slow path for such arguments (and for -inf): over rows masked to
+#: 1% of the vocabulary it took 12x, over log-probabilities at T = 0.3 71x, as long as over random
+#: logits (`benchmarks/sampling.py`, its `exp` rows: one thread, 16 rows of 49,152).
 #: At -70 every difference of two exps above F is 0 or a normal float32, so no subnormal arises.
 EXP_FLOOR = -70.0
 #: C: above exp(F) by 2^-20 of it, so above any float32 exp(F) within an ulp (2^-23) of exact
@@ -73,14 +73,14 @@ def logsumexp_floored(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
 def sample_tokens(scores: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
     """One draw per row from the distribution ∝ exp(scores), by inverse CDF.
 
-    With w = exp(scores - max) (`exp_floored`: a weight below C ≈ 4e-31 of the largest is 0) and
-    the float64 running sum c_j = w_0 + ... + w_j, the draw is the
-    index j with c_{j-1} <= u < c_j for u uniform on [0, c_{V-1}): P(j) = w_j / c_{V-1} up to
-    float64 rounding, and a token of weight zero (an empty step) is never drawn. u is kept below
-    c_{V-1} so that round-off cannot push it past the last token. One pass of exp, one cumulative
-    sum and a binary search: 1.9-8.8x cheaper than `torch.multinomial` over 49,152 tokens
-    (`benchmarks/sampling.py`, one thread),
-    and free of host synchronisation.
+    With w = exp(scores - max) (as `exp_floored`: each weight within C ≈ 4e-31 of it, the largest
+    being 1, and exactly 0 where a score is 70 or more below the largest) and the float64 running
+    sum c_j = w_0 + ... + w_j, the draw is the index j with c_{j-1} <= u < c_j for u uniform on
+    [0, c_{V-1}): P(j) = w_j / c_{V-1} up to float64 rounding, and a token of weight zero (an
+    empty step) is never drawn. u is kept below c_{V-1} so that round-off cannot push it past the
+    last token. One pass of exp, one cumulative sum and a binary search: 1.9-8.8x cheaper than
+    `torch.multinomial` over 49,152 tokens (`benchmarks/sampling.py`, one thread), and free of
+    host synchronisation.
 
     Args:
         scores: [B, V] float unnormalised log-probabilities; each row has a finite entry.
