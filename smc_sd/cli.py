@@ -98,6 +98,7 @@ def add_model_flags(g: argparse.ArgumentParser) -> None:
     g.add_argument("--draft", default=None, help="local model directory sharing the target's tokenizer, a draft saved by smc_sd.models.distill or smc_sd.models.feature_distill, 'self' (the default model without decoder layer 5), 'distilled' (the shipped distilled draft) or 'feature' (the shipped feature-reading draft); distilled and feature drafts run on --backend hf only; 'free' (no model: tokens the constraints force and continuations found in the prompt and the text so far, verified by sd or mask-at-verify) or 'free+NAME' (free where it proposes, the draft NAME elsewhere); with --backend llama-cpp a GGUF file, 'free' or 'free+FILE.gguf'. generate's default: free")
     g.add_argument("--device", default="cpu", help="cpu or cuda")
     g.add_argument("--backend", choices=["hf", "vllm", "llama-cpp"], default="hf", help="transformers (hf), a vLLM engine per model, or llama.cpp (llama-cpp: GGUF files; needs the llama extra, README)")
+    g.add_argument("--threads", type=int, default=None, help="llama-cpp: threads of every llama.cpp pass (default: one per physical core, at most 8)")
     g.add_argument("--tensor-parallel-size", type=int, default=None, help="vllm: GPUs each model is split over (default 1)")
     g.add_argument("--gpu-memory-utilization", type=float, default=None, help="vllm: fraction of GPU memory per engine (default 0.9)")
     g.add_argument("--dtype", default="auto", choices=DTYPES, help="weights, activations and KV of both models (logits stay float32): auto (the default: bfloat16 where the processor multiplies bf16 natively, i.e. x86 amx_bf16 or avx512_bf16, or CUDA bf16 support; else float32), float32, bfloat16, or float16 (vllm only)")
@@ -164,7 +165,7 @@ def common_prefix(rows: list[list[int]]) -> list[int]:
 
 def generate(args) -> int:
     from smc_sd.backends.hf import chat_prompt
-    from smc_sd.loading import load_models, model_precision
+    from smc_sd.loading import load_models, model_precision, target_description
     from smc_sd.drafts import model_count
 
     apply_generate_defaults(args)
@@ -193,6 +194,7 @@ def generate(args) -> int:
             alpha=args.alpha,
             dtype=precision.name,
             dtype_reason=precision.reason,
+            **target_description(args, target),
         )
         print(json.dumps(summary))
     else:

@@ -33,6 +33,17 @@ def check_gguf_file(flag: str, path: str) -> None:
             raise ValueError(f"{flag} {path}: not a GGUF file (--backend llama-cpp takes a local GGUF file)")
 
 
+def check_threads(args) -> None:
+    """Refuse a --threads below 1, and one given to a backend that would ignore it."""
+    threads = getattr(args, "threads", None)
+    if threads is None:
+        return
+    if args.backend != "llama-cpp":
+        raise ValueError(f"--threads is an option of --backend llama-cpp; --backend {args.backend} would ignore it (set OMP_NUM_THREADS)")
+    if threads < 1:
+        raise ValueError(f"--threads must be >= 1, got {threads}")
+
+
 def check_llama_choice(args) -> None:
     """Refuse, before loading, llama-cpp model choices that cannot work: a missing
     llama-cpp-python, paths that are not GGUF files, a packaged draft, an LM method without a

@@ -107,9 +107,21 @@ def load_llama_models(args):
 
     sequences = sequences_needed(args)
     with loading("--target", args.target):
-        target = LlamaCppLanguageModel.default(n_seq_max=sequences) if args.target is None else LlamaCppLanguageModel(args.target, n_seq_max=sequences)
+        target = LlamaCppLanguageModel.default(n_seq_max=sequences, n_threads=args.threads) if args.target is None else LlamaCppLanguageModel(args.target, n_seq_max=sequences, n_threads=args.threads)
     choice = parse_draft(args.draft)
     if model_count(args) == 1 or choice.lm is None:
         return target, None
     with loading("--draft", choice.lm):
-        return target, LlamaCppLanguageModel(choice.lm, tokenizer=target.tokenizer, n_seq_max=sequences)
+        return target, LlamaCppLanguageModel(choice.lm, tokenizer=target.tokenizer, n_seq_max=sequences, n_threads=args.threads)
+
+
+def target_description(args, target) -> dict:
+    """What ran as the target, for `generate --json`: `target_file` (the GGUF file on llama.cpp,
+    the model directory on hf and vLLM; the default model's is the float32 conversion in smc-sd's
+    cache), `weight_format` (llama.cpp: the file's format, e.g. q4_1; hf and vLLM: the dtype the
+    weights run in) and on llama.cpp `threads` (as llama.cpp reports them)."""
+    if args.backend == "llama-cpp":
+        return {"target_file": str(target.path), "weight_format": target.weight_format, "threads": target.n_threads}
+    if args.backend == "vllm":
+        return {"target_file": str(target.path), "weight_format": model_precision(args).name}
+    return {"target_file": str(target.model.config._name_or_path), "weight_format": str(target.model.dtype).removeprefix("torch.")}

@@ -82,11 +82,12 @@ def check_model_choice(args) -> None:
     """Refuse model choices that cannot work, before loading anything: paths that hold no model,
     a --draft for ar, a package draft (a draft of the default model) or no draft with another
     --target, and on vLLM a distilled restricted-vocabulary or a feature-reading draft."""
+    from smc_sd.llama_models import check_llama_choice, check_threads
+
+    check_threads(args)
     if model_count(args) == 1 and args.draft is not None:
         raise ValueError(f"--method {args.method} drafts nothing; drop --draft or use sd or smc-sd")
     if args.backend == "llama-cpp":
-        from smc_sd.llama_models import check_llama_choice
-
         return check_llama_choice(args)
     from smc_sd.drafts import PACKAGE_DRAFTS, needs_hf_backend, parse_draft
 

@@ -130,6 +130,8 @@ BEFORE_LOADING = [
     (["--backend", "vllm", "--draft", "distilled"], "runs on --backend hf only"),
     (["--backend", "vllm", "--draft", "feature"], "runs on --backend hf only"),
     (["--backend", "fast"], "argument --backend: invalid choice"),
+    (["--threads", "2"], "--threads is an option of --backend llama-cpp"),
+    (["--threads", "two"], "argument --threads: invalid int value"),
 ]
 
 
@@ -202,6 +204,8 @@ def test_dtype_loads_both_models_in_it_and_the_json_names_it(dtype, files, monke
     expected = choose_precision(dtype)
     assert loaded == [expected.dtype] * 2
     assert summary["dtype"] == expected.name and summary["dtype_reason"] == expected.reason
+    # the target that ran: its directory and the dtype its weights ran in
+    assert summary["target_file"] == str(files["tiny"]) and summary["weight_format"] == expected.name
 
 
 def test_every_particle_dying_is_one_line_with_status_1(files, monkeypatch, capsys):
