@@ -1,10 +1,11 @@
-"""Write the README's results section from benchmarks/results/*.json.
+"""Write the generated section of docs/results.md from benchmarks/results/*.json.
 
 The section lies between the markers below; everything between them is replaced, nothing else in
-README.md is touched (the markers are appended at the end if they are missing).
+the page is touched (the markers are appended at the end if they are missing). Links in it are
+relative to docs/.
 
-Usage: python benchmarks/report.py [--readme README.md] [--check]
-(--check exits 1 if the README's section differs from what the JSON gives.)
+Usage: python benchmarks/report.py [--page docs/results.md] [--check]
+(--check exits 1 if the page's section differs from what the JSON gives.)
 """
 
 from __future__ import annotations
@@ -59,7 +60,7 @@ def speed_section(data: dict, name: str = "speed") -> list[str]:
         "part (1/(K+1) for smc-sd). The mean target log-probability per generated token is the fidelity "
         "check: a draft that agrees poorly with the target pulls SMC-SD's outputs below ar's. "
         "Timings on this 2-core machine vary by up to about 20% between runs.", "",
-        f"![speed](benchmarks/results/{name}.png)", "",
+        f"![speed](../benchmarks/results/{name}.png)", "",
     ]
 
 
@@ -85,7 +86,7 @@ def fidelity_section(data: dict) -> list[str]:
         f"completions): total variation between the returned texts of {toy['samples']} seeded runs and the "
         "exact target, by particles N. " + measured(data), "",
         *table(["method"] + [f"N={n}" for n in ns], rows), "",
-        "![fidelity on a toy LM](benchmarks/results/fidelity_toy.png)", "",
+        "![fidelity on a toy LM](../benchmarks/results/fidelity_toy.png)", "",
     ]
     lm = data.get("lm")
     if lm:
@@ -97,7 +98,7 @@ def fidelity_section(data: dict) -> list[str]:
             f"{lm['max_tokens']} tokens) scored by the target at T = 1"
             + (f"; draft: {lm['draft']}." if "draft" in lm else "."), "",
             *table(["method", "mean log p_T per token (nats)", "standard error", "outputs"], lm_rows), "",
-            "![fidelity on the default model](benchmarks/results/fidelity_lm.png)", "",
+            "![fidelity on the default model](../benchmarks/results/fidelity_lm.png)", "",
         ]
     return lines
 
@@ -120,7 +121,7 @@ def accuracy_section(data: dict, name: str = "accuracy") -> list[str]:
         "row samples the draft alone), so where it departs from ar at small N that is the bias, which "
         "shrinks as N grows; alpha > 1 changes the target itself (p_T^alpha, which concentrates on "
         "likely answers).", "",
-        f"![accuracy](benchmarks/results/{name}.png)", "",
+        f"![accuracy](../benchmarks/results/{name}.png)", "",
     ]
 
 
@@ -131,7 +132,7 @@ def gpu_section(data: dict | None) -> list[str]:
             "Not measured yet: no CUDA GPU was available to this project's sessions so far. "
             "`python benchmarks/gpu.py` on a CUDA GPU runs the engine end to end on 8B/1B-shaped random "
             "bf16 models and writes `benchmarks/results/gpu.json`; rerun this report to add its table "
-            "here ([docs/gpu.md](docs/gpu.md)).", "",
+            "here ([docs/gpu.md](gpu.md)).", "",
         ]
     rows = [[r["label"], f"{r['cycle_ms']:.2f}", f"{r['tokens_per_cycle']:.2f}", f"{r['tokens_per_second']:.1f}",
              f"{r['speedup_vs_ar']:.2f}", f"{r['roofline_fraction']:.2f}"] for r in data["rows"]]
@@ -173,11 +174,11 @@ def render() -> str:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--readme", default=str(ROOT / "README.md"))
-    parser.add_argument("--check", action="store_true", help="only compare; exit 1 if the README is stale")
+    parser.add_argument("--page", default=str(ROOT / "docs" / "results.md"))
+    parser.add_argument("--check", action="store_true", help="only compare; exit 1 if the page is stale")
     args = parser.parse_args(argv)
-    readme = pathlib.Path(args.readme)
-    text = readme.read_text()
+    page = pathlib.Path(args.page)
+    text = page.read_text()
     section = render()
     if START in text and END in text:
         updated = text[: text.index(START)] + section + text[text.index(END) + len(END):]
@@ -185,7 +186,7 @@ def main(argv=None) -> int:
         updated = text.rstrip("\n") + "\n\n" + section + "\n"
     if args.check:
         return 0 if updated == text else 1
-    readme.write_text(updated)
+    page.write_text(updated)
     print(section)
     return 0
 

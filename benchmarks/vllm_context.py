@@ -12,7 +12,7 @@ length K on the default model and its default draft, and reports:
 With `--hf` the same runs on the hf backend (which keeps per-row KV) give a reference.
 
 Usage: python benchmarks/vllm_context.py [--contexts 64 512 2048] [--particles 4] [--draft-len 4]
-Needs the vLLM environment (README, "vLLM backend").
+Needs the vLLM environment (docs/backends.md, "vLLM backend").
 """
 
 from __future__ import annotations

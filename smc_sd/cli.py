@@ -26,7 +26,7 @@ from smc_sd.programs import MODULES
 # --dtype: "auto" is `smc_sd.backends.precision`'s choice on either backend; float16 is vLLM's only
 DTYPES = [*HF_DTYPES, "float16"]
 
-# What the bare command runs (README, "Defaults"): exact speculative decoding with the free draft,
+# What the bare command runs (docs/cli.md, "Defaults"): exact speculative decoding with the free draft,
 # greedy. Its law is the target's; the free draft costs no model pass and proposes only where a
 # pass over its tokens pays; and the 135M model samples poorly: at T = 0.3 a third of its answers
 # to "What is the capital of France?" start in French (its first token: "The" 0.46, "L" 0.35).
@@ -97,7 +97,7 @@ def add_model_flags(g: argparse.ArgumentParser) -> None:
     g.add_argument("--target", default=None, help="local transformers model directory, or a GGUF file with --backend llama-cpp (default: SmolLM2-135M-Instruct)")
     g.add_argument("--draft", default=None, help="local model directory sharing the target's tokenizer, a draft saved by smc_sd.models.distill or smc_sd.models.feature_distill, 'self' (the default model without decoder layer 5), 'distilled' (the shipped distilled draft) or 'feature' (the shipped feature-reading draft); distilled and feature drafts run on --backend hf only; 'free' (no model: tokens the constraints force and continuations found in the prompt and the text so far, verified by sd or mask-at-verify) or 'free+NAME' (free where it proposes, the draft NAME elsewhere); with --backend llama-cpp a GGUF file, 'free' or 'free+FILE.gguf'. generate's default: free")
     g.add_argument("--device", default="cpu", help="cpu or cuda")
-    g.add_argument("--backend", choices=["hf", "vllm", "llama-cpp"], default="hf", help="transformers (hf), a vLLM engine per model, or llama.cpp (llama-cpp: GGUF files; needs the llama extra, README)")
+    g.add_argument("--backend", choices=["hf", "vllm", "llama-cpp"], default="hf", help="transformers (hf), a vLLM engine per model, or llama.cpp (llama-cpp: GGUF files; needs the llama extra, docs/backends.md)")
     g.add_argument("--threads", type=int, default=None, help="llama-cpp: threads of every llama.cpp pass (default: one per physical core, at most 8)")
     g.add_argument("--tensor-parallel-size", type=int, default=None, help="vllm: GPUs each model is split over (default 1)")
     g.add_argument("--gpu-memory-utilization", type=float, default=None, help="vllm: fraction of GPU memory per engine (default 0.9)")

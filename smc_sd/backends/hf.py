@@ -148,7 +148,7 @@ class HFLanguageModel(LanguageModel):
 
         The distilled draft (`smc_sd.drafts.distilled_draft`) costs a quarter of a target token but
         agrees with the target too little (held-out acceptance 0.44) for SMC-SD at small N to
-        follow the target (README, "The distilled draft"), so it is opt-in until a better one is
+        follow the target (docs/draft.md), so it is opt-in until a better one is
         trained. `smc_sd.drafts` resolves every `--draft` name.
         """
         return cls.self_draft(device, **options)

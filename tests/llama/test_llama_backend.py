@@ -1,6 +1,6 @@
 """The llama.cpp backend on the shipped GGUF: token ids, the backend laws, the cell trie, limits.
 
-Run with the llama extra installed: `python -m pytest tests/llama -m llama` (README).
+Run with the llama extra installed: `python -m pytest tests/llama -m llama` (docs/backends.md).
 """
 
 import pytest

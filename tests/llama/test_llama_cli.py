@@ -1,7 +1,7 @@
 """`smc-sd generate --backend llama-cpp` in a fresh interpreter: the shipped GGUF, a requantized
 GGUF as the draft, and one-line refusals of choices this backend cannot run.
 
-Run with the llama extra installed: `python -m pytest tests/llama -m llama` (README).
+Run with the llama extra installed: `python -m pytest tests/llama -m llama` (docs/backends.md).
 """
 
 import json

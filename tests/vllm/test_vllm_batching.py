@@ -2,7 +2,7 @@
 share every target pass, each request still draws what it draws alone, and SMC-SD with the free
 draft (particles that end cycles at different lengths) runs.
 
-Run in the vLLM environment with `python -m pytest tests/vllm -m vllm` (see README).
+Run in the vLLM environment with `python -m pytest tests/vllm -m vllm` (docs/backends.md).
 """
 
 import math

