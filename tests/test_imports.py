@@ -5,8 +5,8 @@
   level or deferred inside a function: a deferred import only hides a circle from the
   interpreter, the two modules still depend on each other. A deferred import may reach across
   layers (`HFLanguageModel.default` reads the embedded model's directory from `smc_sd.models`)
-  as long as it closes no circle. Imports under `if TYPE_CHECKING:` are not edges (they never
-  run). `from P import name` is an edge to the submodule P.name when that is a module, else to
+  as long as it closes no circle. Imports under `if TYPE_CHECKING:` are edges too: they never
+  run, but a name a module's annotations need from above is the same dependency. `from P import name` is an edge to the submodule P.name when that is a module, else to
   P; the parent packages Python initialises on the way to a module are not edges (a package's
   `__init__` re-exporting its submodules forms no circle).
 - `test_the_packages_form_layers`: the same graph with each subpackage of smc_sd (program,
@@ -48,17 +48,9 @@ def package_modules() -> dict[str, pathlib.Path]:
 
 
 def import_statements(tree: ast.Module) -> list[ast.Import | ast.ImportFrom]:
-    """The import statements anywhere in a module, except under `if TYPE_CHECKING:`."""
-    found, stack = [], [tree]
-    while stack:
-        node = stack.pop()
-        if isinstance(node, (ast.Import, ast.ImportFrom)):
-            found.append(node)
-        elif isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
-            stack.extend(node.orelse)
-        else:
-            stack.extend(ast.iter_child_nodes(node))
-    return found
+    """The import statements anywhere in a module: at module level, inside functions and under
+    `if TYPE_CHECKING:`."""
+    return [node for node in ast.walk(tree) if isinstance(node, (ast.Import, ast.ImportFrom))]
 
 
 def imported_names(statement: ast.Import | ast.ImportFrom, module: str, is_package: bool) -> list[str]:

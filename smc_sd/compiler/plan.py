@@ -12,16 +12,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable
+from typing import Callable
 
 from smc_sd.backends.base import ContextOverflowError, LanguageModel, check_same_vocabulary
+from smc_sd.compiler.free_draft import FreeDraft
 from smc_sd.compiler.masks import Masker
 from smc_sd.constraints.scores import BlockPotential, ProductPotential, as_block_potential
-
-
-if TYPE_CHECKING:
-    # the program runs through smc_sd.api, which compiles: only the annotation points back
-    from smc_sd.program.spec import FreeDraft
 
 #: the resampling schemes a plan may name (`smc_sd.engine.resampling.RESAMPLERS` runs them)
 RESAMPLING_SCHEMES = ("systematic", "multinomial", "stratified", "residual")

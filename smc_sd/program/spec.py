@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Callable, Literal
 import torch
 
 from smc_sd.backends.base import LanguageModel
+from smc_sd.compiler.free_draft import FreeDraft
 
 if TYPE_CHECKING:
     from smc_sd.engine.result import CycleStats, Result
@@ -38,34 +39,6 @@ class Target:
     alpha: float = 1.0
     constraints: tuple = ()
     potentials: tuple = ()
-
-
-@dataclass(frozen=True)
-class FreeDraft:
-    """Model-free draft sources: tokens proposed from a sequence's text, at no model cost.
-
-    Before each verify pass a free draft proposes d_1..d_m deterministically: first the tokens
-    the constraints force after the text (llguidance's fast-forward tokens; with no constraint,
-    none), then the tokens that followed the longest earlier occurrence of the text's last
-    tokens in the prompt or the text itself (`smc_sd.engine.lookup`). A deterministic draft is
-    the point mass q = delta_d, so exact speculative sampling accepts d_j with probability
-    p(d_j) and otherwise draws from p without d_j, renormalised: the emitted law is p exactly.
-
-    Attributes:
-        forced: propose the tokens the constraints force.
-        lookup: propose continuations found by lookup.
-        min_match: the shortest suffix of the text (in tokens) a lookup match must repeat.
-        max_len: the most tokens one block proposes.
-        cost_aware: propose the block length that maximises expected emitted tokens per unit of
-            the target's pass cost (`smc_sd.engine.free_drafts.best_block_length`); False
-            proposes every token found, up to max_len (a fixed block length, for experiments).
-    """
-
-    forced: bool = True
-    lookup: bool = True
-    min_match: int = 2
-    max_len: int = 16
-    cost_aware: bool = True
 
 
 @dataclass(frozen=True)
