@@ -53,6 +53,7 @@ import torch
 from smc_sd.backends.base import LanguageModel, check_same_vocabulary
 from smc_sd.engine.free_groups import FreeImportanceGroup
 from smc_sd.engine.groups import Group, ImportanceGroup, SpeculativeGroup
+from smc_sd.engine.importance_step import verify_importance_rows
 from smc_sd.engine.requests import Event, Handle, QueueFullError, Request
 from smc_sd.engine.result import CycleStats, Result, kv_memory
 from smc_sd.engine.rows import RowSet, join_groups, reseat_groups, row_logits
@@ -368,14 +369,35 @@ class BatchEngine:
         starts = torch.cat([torch.zeros(1, dtype=torch.int64), counts.cumsum(0)])
         self._totals["target_passes_total"] += 1
         self._note_kv(groups, healthy, target_rows, draft_rows)
+        stepped = [ok and g.plan.verification == "importance" and g.verifies_in_step for g, ok in zip(groups, healthy)]
         for i, (e, g, rows) in enumerate(zip(entries, groups, target_rows)):
-            if healthy[i]:
+            if healthy[i] and not stepped[i]:
                 healthy[i] = self._attempt(e, g.verify, row_logits(logits, starts, rows, widths[i]))
+        for k in sorted({g.draft_len for g, step in zip(groups, stepped) if step}):
+            self._verify_in_step([i for i, g in enumerate(groups) if stepped[i] and g.draft_len == k], entries, healthy, logits, starts)
+        for i, (e, g) in enumerate(zip(entries, groups)):
             if healthy[i] and e.on_cycle is not None:
                 healthy[i] = self._attempt(e, e.on_cycle, g.cycles[-1], g.particle_tokens())
         for e, ok in zip(entries, healthy):
             if ok:
                 self._finish_or_report(e)
+
+    def _verify_in_step(self, members: list[int], entries: list[_Entry], healthy: list[bool], logits: torch.Tensor, starts: torch.Tensor) -> None:
+        """Verify the SMC-SD requests `members` (indices into `entries`, one draft length) in one
+        batched step (`verify_importance_rows`); each request's masks, accounting and resampling
+        stay its own, and what fails there fails that request only."""
+        blocks, masks = {}, {}
+        for i in members:
+            g = entries[i].group
+            blocks[i] = g.drafter.block(logits.shape[-1])
+            healthy[i] = self._attempt(entries[i], lambda g=g, i=i: masks.__setitem__(i, g.bonus_mask(blocks[i].tokens)))
+        members = [i for i in members if healthy[i]]
+        if not members:
+            return
+        groups = [entries[i].group for i in members]
+        rows = verify_importance_rows(groups, self.table, logits, starts, [blocks[i] for i in members], [masks[i] for i in members])
+        for i, g, count in zip(members, groups, rows):
+            healthy[i] = self._attempt(entries[i], g.end_verify, count)
 
     def _note_kv(self, groups: list[Group], healthy: list[bool], target_rows: list[torch.Tensor], draft_rows: list[torch.Tensor | None]) -> None:
         """Each healthy request's KV now, at the widest point of its cycle (`Group.note_kv`):

@@ -50,6 +50,11 @@ class FreeImportanceGroup(ImportanceGroup):
         super().__init__(request, plan, table)
         self.free_drafter = FreeDrafter.for_plan(plan, self.prompt)
         self.cycle = None
+
+    @property
+    def verifies_in_step(self) -> bool:
+        """False: its particles' blocks are free drafts of their own lengths (`verify`)."""
+        return False
         #: whether this cycle's blocks are the draft LM's (free+NAME, the free draft proposed nothing)
         self.lm_cycle = False
 

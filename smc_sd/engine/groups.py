@@ -259,7 +259,6 @@ class ImportanceGroup(Group):
         """
         plan, table, slots = self.plan, self.table, self.slots
         state = table.particles(slots, self.generated)
-        tokens_this_cycle = min(plan.draft_len + 1, plan.max_tokens - self.generated)
         rows = int((~state.finished).sum())
         block, increments = verify_block(plan, target_logits, self.drafter.block(target_logits.shape[-1]), self.mask_at, self.generator)
         stops = self._stop_columns(state, block) if self.request.stop else None
@@ -267,10 +266,37 @@ class ImportanceGroup(Group):
         if stops is not None:
             table.stopped[slots[~state.finished]] = stops.any(1)
         table.store(slots, advanced)
-        self.generated = advanced.tokens.shape[1]
-        # particles that finished drop their rows
-        table.target_row[slots[advanced.finished]] = -1
-        table.draft_row[slots[advanced.finished]] = -1
+        self.end_verify(rows)
+
+    @property
+    def verifies_in_step(self) -> bool:
+        """Whether the batched step verifies this request with every other such request
+        (`smc_sd.engine.importance_step`): its blocks are K drafted tokens and a bonus token,
+        and nothing after a block needs per-prefix Python (no stop strings, block-end
+        potentials or twist); else `verify` does."""
+        return not self.request.stop and self.plan.potential is None and self.plan.twist is None
+
+    def bonus_mask(self, drafted: torch.Tensor) -> torch.Tensor | None:
+        """[A, V] bool: the constraints' mask of the bonus token after each row's drafted
+        tokens ([A, K] int64), or None when unconstrained."""
+        return None if self.mask_at is None else self.mask_at(drafted)[0]
+
+    def end_verify(self, rows: int) -> None:
+        """After the block is stored (`table` holds the advanced particles): the particles that
+        finished drop their rows, the counters advance and the cycle ends (`end_cycle`).
+
+        Args:
+            rows: the particles that were unfinished before the block.
+
+        Raises:
+            AllParticlesDiedError: when every weight reaches zero.
+        """
+        plan, table, slots = self.plan, self.table, self.slots
+        tokens_this_cycle = min(plan.draft_len + 1, plan.max_tokens - self.generated)
+        self.generated += tokens_this_cycle
+        finished = slots[table.finished[slots]]
+        table.target_row[finished] = -1
+        table.draft_row[finished] = -1
         self.tokens_out += rows * tokens_this_cycle
         self.draft_passes += plan.draft_len
         self.end_cycle(tokens=tokens_this_cycle, rows=rows)

@@ -50,6 +50,29 @@ def tempered_logprobs(logits: torch.Tensor, temperature: float, mask: torch.Tens
     return logprobs if mask is None else logprobs.masked_fill(~mask, float("-inf"))
 
 
+def tempered_logprobs_rows(logits: torch.Tensor, temperature: torch.Tensor, mask: torch.Tensor | None = None, greedy: bool = False) -> torch.Tensor:
+    """`tempered_logprobs` with a temperature per row, in one pass over all rows.
+
+    Args:
+        logits: [A, ..., V] float32 raw logits.
+        temperature: [A] float32, T_a >= 0 (T_a = 0 is greedy, as in `tempered_logprobs`).
+        mask: [A, ..., V] bool allowed tokens, or None.
+        greedy: whether some T_a is 0 (the caller knows it from the plans, without reading the
+            tensor back).
+
+    Returns:
+        [A, ..., V] float32: row a is tempered_logprobs(logits[a], T_a, mask[a]).
+    """
+    # [A, 1, ..., 1]: each row's temperature, 1 where it is 0 (those rows are replaced below)
+    t = temperature.view((-1,) + (1,) * (logits.dim() - 1))
+    logprobs = torch.log_softmax(logits.float() / torch.where(t > 0, t, 1.0), dim=-1)
+    if mask is not None:
+        logprobs = logprobs.masked_fill(~mask, float("-inf"))
+    if greedy:
+        logprobs = torch.where(t == 0, tempered_logprobs(logits, 0.0, mask), logprobs)
+    return logprobs
+
+
 def exp_floored(x: torch.Tensor) -> torch.Tensor:
     """max(0, exp(max(x, F)) - C) elementwise (F = EXP_FLOOR, C = FLOOR_WEIGHT ≈ 4.0e-31).
 
@@ -89,11 +112,26 @@ def sample_tokens(scores: torch.Tensor, generator: torch.Generator) -> torch.Ten
     Returns:
         [B] int64 token ids.
     """
+    u = torch.rand(scores.shape[0], generator=generator, dtype=torch.float64, device=scores.device)
+    return tokens_from_uniforms(scores, u)
+
+
+def tokens_from_uniforms(scores: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """`sample_tokens` with its uniforms given: row b's token is the inverse CDF of the weights
+    exp(scores[b] - max) at u[b] · (their total).
+
+    Args:
+        scores: [B, V] float unnormalised log-probabilities; each row has a finite entry.
+        u: [B] float64 uniforms on [0, 1) (a generator's, or `keyed_random.keyed_uniform`).
+
+    Returns:
+        [B] int64 token ids.
+    """
     # [B, V] float32 weights, their [B, V] float64 running sums
     weights = exp_floored(scores - scores.amax(dim=-1, keepdim=True))
     cdf = weights.cumsum(-1, dtype=torch.float64)
     total = cdf[:, -1:]
-    u = torch.rand(total.shape, generator=generator, dtype=torch.float64, device=scores.device) * total
+    u = u[:, None] * total
     u = torch.minimum(u, torch.nextafter(total, torch.zeros_like(total)))
     return torch.searchsorted(cdf, u, right=True).squeeze(-1)
 

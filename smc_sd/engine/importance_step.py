@@ -1,0 +1,132 @@
+"""One verification step for the SMC-SD rows of every running request at once.
+
+The requests whose plans are importance-verified with a draft LM or none (SMC-SD, and `ar` as
+SMC with one particle and K = 0), whose blocks are K drafted tokens and a bonus token, share one
+fixed sequence of tensor operations per cycle, whatever their number (`verify_importance_rows`):
+
+    scores   = alpha_a · log p_{T_a}(. | row a's prefix)             [A, K + 1, V]
+    bonus_a  ~ p_{T_a}^alpha_a · m_a / Z_a   (the constraint's mask m_a; unmasked where Z_a = 0)
+    inc[a, k] = scores[a, k, x_k] - log q~_a(x_k)   (k < K),   inc[a, K] = log Z_a
+    log w_i  += sum of inc over the columns that count (`smc_sd.engine.smc.block_mask`)
+
+row a belonging to request g(a) with its own temperature T, power alpha, budget and constraint,
+exactly as `smc_sd.engine.smc.verify_block` and `advance` compute them for one request. The
+bonus draws use uniforms keyed by (request seed, cycle, particle, stream), so a request draws
+the same tokens alone or among others (`smc_sd.engine.keyed_random`).
+
+What stays per request: the masks (each request's constraint object is asked for its rows),
+and the requests whose particles need per-prefix Python after the block (stop strings, block-end
+potentials, a twist) or whose blocks are a free draft's: they verify with their own
+`ImportanceGroup.verify`.
+
+Dimension letters: G requests of the step, N_g particles of request g, A unfinished particles
+of all of them (the rows), K draft length (one value per step), V vocabulary.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from smc_sd.engine.keyed_random import BONUS, counter, keyed_uniform
+from smc_sd.engine.sampling import gather_last, logsumexp_floored, tempered_logprobs_rows, tokens_from_uniforms
+
+
+def verify_importance_rows(groups: list, table, packed: torch.Tensor, starts: torch.Tensor, blocks: list, bonus_masks: list) -> list[int]:
+    """Verify every group's block in one pass of tensor operations and store the result.
+
+    Each group's rows read its last token and its K drafted tokens in the target pass (K the
+    same for every group here), so row r's logits are packed[starts[r] : starts[r] + K + 1].
+
+    Args:
+        groups: G `ImportanceGroup`s with equal draft_len.
+        table: the engine's `SlotTable`.
+        packed: [T, V] float32, the target pass's logits row after row; starts: [B + 1] int64.
+        blocks: per group the cycle's `DraftBlock` ([A_g, K] drafted tokens).
+        bonus_masks: per group its rows' bonus-token masks [A_g, V] bool, or None when
+            unconstrained.
+
+    Returns:
+        A_g per group: its particles that were unfinished before the block.
+
+    Writes the table's tokens, length, finished and logw of every group's slots; the groups'
+    per-cycle accounting and resampling are the caller's (`ImportanceGroup.end_verify`).
+    """
+    k = groups[0].plan.draft_len
+    eos = groups[0].eos
+    vocab = packed.shape[-1]
+    sizes = [g.plan.particles for g in groups]
+    # [N]: every particle of the step, request after request; its request and its index there
+    slots = torch.cat([g.slots for g in groups])
+    request = torch.repeat_interleave(torch.arange(len(groups)), torch.tensor(sizes))
+    particle = torch.arange(slots.numel()) - torch.tensor([0] + sizes[:-1]).cumsum(0)[request]
+    finished = table.finished[slots]
+    active = ~finished
+    # [A]: the rows of the unfinished particles, and their requests
+    rows = table.target_row[slots[active]]
+    owner = request[active]
+    # [A, K + 1, V]: each row's logits after its last token and after each drafted token
+    logits = packed[starts[rows][:, None] + torch.arange(k + 1)]
+    temperatures = [g.plan.target_temperature for g in groups]
+    greedy = 0.0 in temperatures
+    # [A]: each row's T and alpha
+    temperature = torch.tensor(temperatures, dtype=torch.float32)[owner]
+    alpha = torch.tensor([g.plan.alpha for g in groups], dtype=torch.float32)[owner]
+    # [A, K + 1, V]: alpha log p_T at every position
+    scores = alpha[:, None, None] * tempered_logprobs_rows(logits, temperature, greedy=greedy)
+    bonus_scores = drawn_from = scores[:, k]
+    if any(m is not None for m in bonus_masks):
+        # [A, V]: the bonus token's scores under each row's mask (all allowed where unconstrained)
+        mask = torch.cat([m if m is not None else torch.ones(b.tokens.shape[0], vocab, dtype=torch.bool) for m, b in zip(bonus_masks, blocks)])
+        bonus_scores = alpha[:, None] * tempered_logprobs_rows(logits[:, k], temperature, mask, greedy)
+        # a row the mask leaves without mass draws unmasked, to keep shapes; its weight is zero
+        drawn_from = torch.where(bonus_scores.amax(-1, keepdim=True) > float("-inf"), bonus_scores, drawn_from)
+    seeds = torch.tensor([g.request.seed for g in groups], dtype=torch.int64)[owner]
+    cycles = torch.tensor([len(g.cycles) for g in groups], dtype=torch.int64)[owner]
+    bonus = tokens_from_uniforms(drawn_from, keyed_uniform(seeds, counter(cycles, particle[active], k, BONUS)))
+    increments = logsumexp_floored(bonus_scores, -1)[:, None].double()
+    block = bonus[:, None]
+    if k:
+        drafted = torch.cat([b.tokens for b in blocks])
+        logq = torch.cat([b.logq for b in blocks])
+        drafted_increments = gather_last(scores[:, :k], drafted) - gather_last(logq, drafted)
+        if any(b.dead is not None for b in blocks):
+            dead = torch.cat([b.dead if b.dead is not None else torch.zeros(b.tokens.shape, dtype=torch.bool) for b in blocks])
+            drafted_increments = drafted_increments.masked_fill(dead, -math.inf)
+        increments = torch.cat([drafted_increments.double(), increments], 1)
+        block = torch.cat([drafted, block], 1)
+    advance_rows(groups, table, slots, request, active, block, increments, eos)
+    return torch.bincount(owner, minlength=len(groups)).tolist()
+
+
+def advance_rows(groups: list, table, slots: torch.Tensor, request: torch.Tensor, active: torch.Tensor, block: torch.Tensor, increments: torch.Tensor, eos: int) -> None:
+    """Append each unfinished particle's block at its request's column and add the columns that
+    count to its log weight (`smc_sd.engine.smc.advance` for many requests at once): a column
+    counts when the particle was unfinished, no EOS came earlier in its block, and it lies
+    within its request's remaining budget; the tokens kept are the first min(K + 1, budget),
+    EOS filler on finished particles.
+
+    Args:
+        slots: [N] int64; request: [N] int64 each slot's group; active: [N] bool unfinished.
+        block, increments: [A, K + 1] int64 tokens and float64 log-weight increments.
+    """
+    width = block.shape[1]
+    generated = torch.tensor([g.generated for g in groups], dtype=torch.int64)[request]
+    budget = torch.tensor([g.plan.max_tokens - g.generated for g in groups], dtype=torch.int64)[request]
+    # [N, K + 1]: every particle's block and increments (EOS filler and 0 on finished ones)
+    full_block = torch.full((slots.numel(), width), eos, dtype=torch.int64)
+    full_block[active] = block
+    full_increments = torch.zeros(slots.numel(), width, dtype=torch.float64)
+    full_increments[active] = increments
+    is_eos = (full_block == eos).long()
+    columns = torch.arange(width)
+    within = columns[None, :] < budget[:, None]
+    # an EOS strictly before this column
+    keep = active[:, None] & ((torch.cumsum(is_eos, 1) - is_eos) == 0) & within
+    table.finished[slots] = ~active | ((full_block == eos) & keep).any(1)
+    table.logw[slots] += torch.where(keep, full_increments, 0.0).sum(1)
+    # the kept tokens go to columns generated .. generated + min(K + 1, budget) - 1
+    at = (generated[:, None] + columns[None, :])[within]
+    table.tokens[slots[:, None].expand(-1, width)[within], at] = full_block[within]
+    table.length[slots] = generated + budget.clamp(max=width)
