@@ -20,10 +20,13 @@ them (oneDNN, `smc_sd.backends.onednn_linear`) and as torch computes them by def
 the BLAS torch was built with); the second's rows carry `backend` "hf-blas".
 
 `--backend llama-cpp` (or `hf,llama-cpp`, both in one run) times the llama.cpp backend too, one
-model per weight format in --formats (q4_1: the shipped file as it ships; q8_0, f16, f32: copies
-written from it by llama.cpp's quantizer into a temporary directory), one thread per decode
-(`n_threads` = torch's thread count); its rows carry `backend` "llama-cpp" and the format as
-`dtype`.
+model per weight format in --formats (q4_1: the shipped file as it ships; q4_0, q8_0, f16, f32:
+copies llama.cpp's quantizer writes from it, cached as the backend caches them,
+`llama_formats.format_copy`), one thread per decode; its rows carry `backend` "llama-cpp" and
+the format as `dtype`. Beside them, rows of `backend` "llama-cpp-python" time llama-cpp-python's
+own decode step on the same file (`Llama.eval` of one token after the same context, its default
+context: no flash attention, one sequence, one thread), the cost our 1x1 pass is held to; and
+`build` records llama.cpp's system info (the instruction sets the build uses).
 
 Usage: OMP_NUM_THREADS=1 python benchmarks/forward_cost.py [--dtypes float32,bfloat16] [--shapes 1x1,1x5,4x5,8x5]
        [--context 100] [--repeats 5] [--backend hf|llama-cpp|hf,llama-cpp] [--formats q4_1,q8_0]
@@ -34,7 +37,6 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import tempfile
 import time
 
 import torch
@@ -100,7 +102,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--context", type=int, default=100, help="tokens already in every row")
     parser.add_argument("--repeats", type=int, default=5, help="timed rounds (the median is reported)")
     parser.add_argument("--backend", default="hf", help="hf, llama-cpp, or hf,llama-cpp (both in one run)")
-    parser.add_argument("--formats", default="q4_1", help="llama-cpp: comma-separated weight formats (q4_1 is the shipped file; q8_0, f16, f32 are written from it)")
+    parser.add_argument("--formats", default="q4_1", help="llama-cpp: comma-separated weight formats (q4_1 is the shipped file; q4_0, q8_0, f16, f32 are written from it)")
     parser.add_argument("--linear", default="onednn", help="hf: onednn (as loaded), blas (F.linear), or onednn,blas (both in one run)")
     parser.add_argument("--no-write", action="store_true", help="print JSON only; write no file")
     args = parser.parse_args(argv)
@@ -130,14 +132,15 @@ def main(argv=None) -> dict:
             if linear == "blas":
                 blas_linears(lm.model)
             models["hf" if linear == "onednn" else "hf-blas", name] = lm
-    scratch = tempfile.TemporaryDirectory()
     if "llama-cpp" in backends:
-        models.update(llama_models(args.formats.split(","), scratch.name, sum(b for b, _ in shapes)))
+        models.update(llama_models(args.formats.split(","), sum(b for b, _ in shapes)))
     prompt = context_tokens(next(iter(models.values())).tokenizer, args.context)
     steps = {}
     for name, lm in models.items():
         for rows, new in shapes:
             steps[name, rows, new] = forward_step(lm, prompt, rows, new)
+        if name[0] == "llama-cpp":
+            steps[("llama-cpp-python", name[1]), 1, 1] = anchor_step(lm.path, prompt, args.context)
     times = {key: [] for key in steps}
     with torch.inference_mode():
         for round_ in range(args.repeats + 1):
@@ -163,28 +166,46 @@ def main(argv=None) -> dict:
         "environment": environment(),
         "rows": rows,
     }
+    if "llama-cpp" in backends:
+        import llama_cpp
+
+        data["build"] = {"llama_cpp_python": llama_cpp.__version__, "system_info": llama_cpp.llama_print_system_info().decode(), "threads": 1}
     if ("hf", "bfloat16") in models:
         data["lm_head"] = lm_head_rows(models["hf", "bfloat16"].model, args.repeats)
     emit("forward_cost", data, write=not args.no_write)
-    scratch.cleanup()
     return data
 
 
-def llama_models(formats: list[str], directory: str, rows: int) -> dict:
-    """{("llama-cpp", format): LlamaCppLanguageModel} of the default model in each format, room
-    for `rows` rows: the shipped file for q4_1, a copy llama.cpp's quantizer writes into
-    `directory` otherwise."""
-    from smc_sd.backends.llama_cpp import LlamaCppLanguageModel, requantize
+def llama_models(formats: list[str], rows: int) -> dict:
+    """{("llama-cpp", format): LlamaCppLanguageModel} of the default model in each format, one
+    thread, room for `rows` rows: the shipped file for q4_1, llama.cpp's cached copy otherwise."""
+    from smc_sd.backends.llama_cpp import LlamaCppLanguageModel
+    from smc_sd.backends.llama_formats import format_copy
+    from smc_sd.models.smollm2 import gguf_path
 
-    shipped = LlamaCppLanguageModel.default(n_seq_max=rows)
+    shipped = LlamaCppLanguageModel(gguf_path(), n_seq_max=rows, n_threads=1)
     models = {}
     for name in formats:
         if name == "q4_1":
             models["llama-cpp", name] = shipped
         else:
-            path = requantize(shipped.path, f"{directory}/{name}.gguf", name)
-            models["llama-cpp", name] = LlamaCppLanguageModel(path, tokenizer=shipped.tokenizer, n_seq_max=rows)
+            models["llama-cpp", name] = LlamaCppLanguageModel(format_copy(shipped.path, name), tokenizer=shipped.tokenizer, n_seq_max=rows, n_threads=1)
     return models
+
+
+def anchor_step(path, prompt: list[int], context: int):
+    """(step, close): step() is llama-cpp-python's own decode of one token after `prompt`
+    (`Llama.eval`, which first removes the cells past its token count, then decodes)."""
+    from llama_cpp import Llama
+
+    llm = Llama(model_path=str(path), n_ctx=max(512, 2 * context), n_threads=1, n_threads_batch=1, n_gpu_layers=0, verbose=False)
+    llm.eval(prompt)
+
+    def step():
+        llm.n_tokens = len(prompt)
+        llm.eval(prompt[:1])
+
+    return step, llm.close
 
 
 def lm_head_rows(model, repeats: int) -> list[dict]:

@@ -10,8 +10,12 @@ the cells that carry s at positions up to its own. A row here is one sequence id
   gives every further copy a free id whose cells become those of a[i] (`seq_cp` adds the id to
   the cells: shared, no byte is copied); ids no row takes lose their cells (`seq_rm`);
 - `truncate` / `truncate_rows` remove a row's id from its cells past the kept length (`seq_rm`);
-- `extend(tokens)` is ONE `llama_decode` over every row's new tokens at the row's own positions
-  (rows of different lengths in one batch), with a logits flag on every new token;
+- `extend(tokens)` / `extend_rows(tokens, counts)` are ONE `llama_decode` over every row's new
+  tokens at the row's own positions (rows of different lengths in one batch; only the tokens a
+  row keeps), with a logits flag on every new token; rows that hold the same cells (copies made
+  by resampling) and gain the same tokens are decoded once, each token carrying all their ids,
+  so they share the new cells as they shared the old ones (the hf backend computes such rows
+  once too);
 - `join` / `join_many` decode the joining prompts in one batch, each under a fresh id.
 
 The cells therefore form a token trie: a cell is a trie node (a position after a path of tokens)
@@ -19,8 +23,9 @@ and a sequence id is a path from the root to its leaf; a cell is live while some
 through it. `LlamaCppSequences` mirrors the trie with reference-counted nodes to report the cells
 in use (`memory()`, as the paged hf backend reports blocks, with blocks of one position).
 
-Logits are llama.cpp's float32 rows of the positions flagged for output, read as one numpy view
-of its output buffer (batch order) and copied into a torch tensor, [B, L, V] float32.
+Logits are llama.cpp's float32 rows of the positions flagged for output (a prompt flags its last
+position only), copied by one memcpy from its output buffer (batch order) into a torch tensor.
+The batch's arrays are numpy buffers kept between decodes (`DecodeBatch`).
 Numerics: the weights run in the GGUF's own format (a Q4_1 file runs as Q4_1), the KV cache in
 float16, attention through llama.cpp's flash-attention kernel. For 4- and 8-bit weights llama.cpp
 rounds activations to 8 bits in every matrix product, so a rounding change anywhere (another
@@ -54,6 +59,7 @@ from smc_sd.backends.base import (
     Sequences,
     TokenizerMismatchError,
     Vocabulary,
+    check_counts,
     check_extend,
     check_join,
     check_open,
@@ -61,6 +67,7 @@ from smc_sd.backends.base import (
     check_truncate,
     check_truncate_rows,
 )
+from smc_sd.backends.llama_formats import DEFAULT_FORMAT, FORMATS, PASS_COSTS, SHIPPED_FORMAT, format_copy
 from smc_sd.backends.pass_cost import PassCost
 
 #: the portable build of the llama extra (no -march=native: the building and the running
@@ -73,6 +80,10 @@ DEFAULT_KV_BYTES = 512 << 20
 
 #: bytes of one float16 key or value element (llama.cpp's default KV type)
 KV_ELEMENT_BYTES = 2
+
+#: the most threads a pass gets by default (more cores than this gain little on small models and
+#: take the machine from everything else)
+MAX_DEFAULT_THREADS = 8
 
 #: llama.cpp's ggml log level of errors (GGML_LOG_LEVEL_ERROR)
 _LOG_ERROR = 4
@@ -108,6 +119,20 @@ def llama_cpp():
     return _llama
 
 
+def default_threads(cap: int = MAX_DEFAULT_THREADS) -> int:
+    """One thread per physical core this process may run on (hyper-threads of one core count
+    once, as read from /sys), at most `cap`; the logical CPU count where the topology is unknown."""
+    cpus = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else range(os.cpu_count() or 1)
+    cores = set()
+    for cpu in cpus:
+        topology = pathlib.Path(f"/sys/devices/system/cpu/cpu{cpu}/topology")
+        try:
+            cores.add(((topology / "physical_package_id").read_text().strip(), (topology / "core_id").read_text().strip()))
+        except OSError:
+            cores.add(("cpu", str(cpu)))
+    return max(1, min(cap, len(cores)))
+
+
 def _llama_error() -> str:
     """llama.cpp's last logged error, or an empty string."""
     return f" ({_last_errors[-1]})" if _last_errors else ""
@@ -124,7 +149,8 @@ class LlamaCppLanguageModel(LanguageModel):
             llama.cpp's `llama_max_parallel_sequences()` (256) less the parking sequence.
         n_cells: KV cells of the context (None: DEFAULT_KV_BYTES worth, at least the model's
             context length).
-        n_threads: threads of every decode (None: torch's thread count, i.e. OMP_NUM_THREADS).
+        n_threads: threads of every decode, >= 1 (None: `default_threads()`, one per physical
+            core, at most MAX_DEFAULT_THREADS; benchmarks pass 1).
 
     Raises:
         ValueError: one line naming the problem (a missing or unreadable file, n_seq_max past
@@ -140,6 +166,8 @@ class LlamaCppLanguageModel(LanguageModel):
         limit = llama.llama_max_parallel_sequences() - 1
         if not 1 <= n_seq_max <= limit:
             raise ValueError(f"the schedule needs {n_seq_max} llama.cpp sequences (particles x running requests); one llama.cpp context holds 1 .. {limit} rows")
+        if n_threads is not None and not (isinstance(n_threads, int) and n_threads >= 1):
+            raise ValueError(f"threads must be a whole number >= 1, got {n_threads!r}")
         params = llama.llama_model_default_params()
         params.n_gpu_layers = 0
         self._model = llama.llama_model_load_from_file(str(self.path).encode(), params)
@@ -155,7 +183,7 @@ class LlamaCppLanguageModel(LanguageModel):
         self.cell_bytes = 2 * llama.llama_model_n_layer(model) * llama.llama_model_n_head_kv(model) * (llama.llama_model_n_embd(model) // llama.llama_model_n_head(model)) * KV_ELEMENT_BYTES
         context = llama.llama_model_n_ctx_train(model)
         cells = n_cells or max(context, DEFAULT_KV_BYTES // self.cell_bytes)
-        threads = n_threads or torch.get_num_threads()
+        threads = n_threads or default_threads()
         cparams = llama.llama_context_default_params()
         cparams.n_ctx = cells
         # one decode may carry every cell's token (a join of long prompts); llama.cpp splits it
@@ -174,7 +202,10 @@ class LlamaCppLanguageModel(LanguageModel):
             raise ValueError(f"{self.path}: llama.cpp cannot make a context of {cells} cells and {n_seq_max} sequences{_llama_error()}")
         self._memory = llama.llama_get_memory(self._ctx)
         self.n_cells = llama.llama_n_ctx(self._ctx)
-        self.n_seq_max, self.n_threads = n_seq_max, threads
+        #: threads of every decode, as llama.cpp reports them back
+        self.n_threads = llama.llama_n_threads(self._ctx)
+        self.n_seq_max = n_seq_max
+        self._batch = DecodeBatch(llama)
         self._max_length = min(context, self.n_cells)
         self._free_ids = list(range(n_seq_max - 1, -1, -1))
         self._parking = n_seq_max
@@ -188,12 +219,17 @@ class LlamaCppLanguageModel(LanguageModel):
         self._vocabulary = Vocabulary(n_vocab, llama.llama_vocab_eos(self._vocab), self.fingerprint)
 
     @classmethod
-    def default(cls, **options) -> LlamaCppLanguageModel:
-        """The embedded default model, SmolLM2-135M-Instruct, run from the shipped GGUF as it ships
-        (Q4_1 weights), with the tokenizer the file holds (the hf backend's token ids)."""
+    def default(cls, weight_format: str = DEFAULT_FORMAT, **options) -> LlamaCppLanguageModel:
+        """The embedded default model, SmolLM2-135M-Instruct, from the shipped GGUF (Q4_1) or, for
+        another `weight_format`, llama.cpp's cached copy of it (`llama_formats.format_copy`; the
+        default, DEFAULT_FORMAT, is chosen by measured pass costs), with the tokenizer the
+        shipped file holds (the hf backend's token ids)."""
         from smc_sd.models.smollm2 import gguf_path
 
-        return cls(gguf_path(), **options)
+        shipped = gguf_path()
+        path = shipped if weight_format == SHIPPED_FORMAT else format_copy(shipped, weight_format)
+        options.setdefault("tokenizer", gguf_tokenizer(shipped))
+        return cls(path, **options)
 
     @property
     def vocabulary(self) -> Vocabulary:
@@ -271,10 +307,12 @@ class LlamaCppLanguageModel(LanguageModel):
         return self.tokenizer.decode(token_ids, skip_special_tokens=True)
 
     def run(self, tokens: np.ndarray, positions: np.ndarray, seqs: np.ndarray, outputs: np.ndarray) -> torch.Tensor:
-        """One `llama_decode` of n tokens, token i at position positions[i] of sequence seqs[i].
+        """One `llama_decode` of n tokens, token i at position positions[i] of the sequences seqs[i].
 
         Args:
-            tokens, positions, seqs: [n] int32; outputs: [n] int8, 1 where logits are read.
+            tokens, positions: [n] int32; outputs: [n] int8, 1 where logits are read.
+            seqs: [n] int32 (one sequence per token) or [n, W] int32, the sequences of token i
+                first and -1 after them (a token of several sequences writes one cell they share).
 
         Returns:
             [sum(outputs), V] float32 logits of the flagged tokens, in batch order.
@@ -284,17 +322,7 @@ class LlamaCppLanguageModel(LanguageModel):
             RuntimeError: on any other llama.cpp failure.
         """
         n = len(tokens)
-        tokens, positions, seqs, outputs = (np.ascontiguousarray(a, dtype=t) for a, t in ((tokens, np.int32), (positions, np.int32), (seqs, np.int32), (outputs, np.int8)))
-        ones = np.ones(n, dtype=np.int32)
-        # seq_id[i] points at seqs[i]: one id per token
-        pointers = (seqs.ctypes.data + seqs.itemsize * np.arange(n, dtype=np.uint64)).astype(np.uintp)
-        batch = _llama.llama_batch()
-        batch.n_tokens = n
-        batch.token = tokens.ctypes.data_as(ctypes.POINTER(ctypes.c_int32))
-        batch.pos = positions.ctypes.data_as(ctypes.POINTER(ctypes.c_int32))
-        batch.n_seq_id = ones.ctypes.data_as(ctypes.POINTER(ctypes.c_int32))
-        batch.seq_id = pointers.ctypes.data_as(ctypes.POINTER(ctypes.POINTER(ctypes.c_int32)))
-        batch.logits = outputs.ctypes.data_as(ctypes.POINTER(ctypes.c_int8))
+        batch = self._batch.fill(tokens, positions, seqs, outputs)
         if self.trie.live == 0 and self.parked:
             self.unpark()
         status = _llama.llama_decode(self._ctx, batch)
@@ -307,10 +335,10 @@ class LlamaCppLanguageModel(LanguageModel):
             raise ContextOverflowError(f"llama.cpp's KV cache is full: {n} new tokens do not fit in its {self.n_cells} cells ({self.trie.live} in use); use fewer particles or requests, or more cells (n_cells)")
         if status != 0:
             raise RuntimeError(f"llama_decode failed with status {status}{_llama_error()}")
-        count = int(outputs.sum())
-        # [count, V] float32: llama.cpp's output rows, reordered to batch order by this call
-        view = np.ctypeslib.as_array(_llama.llama_get_logits(self._ctx), shape=(count, self._vocabulary.size))
-        return torch.from_numpy(view.copy())
+        # [count, V] float32: llama.cpp's output rows (batch order), one memcpy into a new tensor
+        logits = torch.empty(int(np.count_nonzero(outputs)), self._vocabulary.size, dtype=torch.float32)
+        ctypes.memmove(logits.data_ptr(), _llama.llama_get_logits(self._ctx), logits.numel() * 4)
+        return logits
 
     def __del__(self):
         if _llama is not None:
@@ -320,6 +348,48 @@ class LlamaCppLanguageModel(LanguageModel):
             if getattr(self, "_model", None):
                 _llama.llama_model_free(self._model)
                 self._model = None
+
+
+class DecodeBatch:
+    """One `llama_batch` whose arrays live in numpy buffers kept between decodes (grown by
+    doubling), so filling it is a few slice copies: no per-token Python, no new ctypes objects.
+
+    Token i's sequence ids are row i of a [capacity, W] int32 table; `seq_id[i]` points at it.
+    """
+
+    def __init__(self, llama):
+        self.struct = llama.llama_batch()
+        self._capacity = self._width = 0
+
+    def _reserve(self, n: int, width: int) -> None:
+        if n <= self._capacity and width <= self._width:
+            return
+        self._capacity, self._width = max(n, 2 * self._capacity, 16), max(width, self._width)
+        c = self._capacity
+        self.tokens, self.positions, self.counts = (np.zeros(c, dtype=np.int32) for _ in range(3))
+        self.outputs = np.zeros(c, dtype=np.int8)
+        self.ids = np.full((c, self._width), -1, dtype=np.int32)
+        # [c] addresses of the rows of `ids`
+        self.pointers = (self.ids.ctypes.data + self.ids.strides[0] * np.arange(c, dtype=np.uint64)).astype(np.uintp)
+        b = self.struct
+        b.token = self.tokens.ctypes.data_as(ctypes.POINTER(ctypes.c_int32))
+        b.pos = self.positions.ctypes.data_as(ctypes.POINTER(ctypes.c_int32))
+        b.n_seq_id = self.counts.ctypes.data_as(ctypes.POINTER(ctypes.c_int32))
+        b.seq_id = self.pointers.ctypes.data_as(ctypes.POINTER(ctypes.POINTER(ctypes.c_int32)))
+        b.logits = self.outputs.ctypes.data_as(ctypes.POINTER(ctypes.c_int8))
+
+    def fill(self, tokens: np.ndarray, positions: np.ndarray, seqs: np.ndarray, outputs: np.ndarray):
+        """The batch of `LlamaCppLanguageModel.run`'s arguments (its shapes), ready to decode."""
+        n = len(tokens)
+        seqs = seqs.reshape(n, -1)
+        self._reserve(n, seqs.shape[1])
+        self.tokens[:n] = tokens
+        self.positions[:n] = positions
+        self.outputs[:n] = outputs
+        self.ids[:n, : seqs.shape[1]] = seqs
+        self.counts[:n] = (seqs >= 0).sum(1)
+        self.struct.n_tokens = n
+        return self.struct
 
 
 class Cell:
@@ -406,16 +476,69 @@ class LlamaCppSequences(Sequences):
         self._check_open()
         check_extend(tokens, self.batch_size, max(self._lengths), self._lm.max_length)
         batch, steps = tokens.shape
-        starts = np.asarray(self._lengths, dtype=np.int32)
-        # [B, L] positions and sequence ids, flattened row by row
-        positions = (starts[:, None] + np.arange(steps, dtype=np.int32)[None, :]).reshape(-1)
-        seqs = np.repeat(np.asarray(self._ids, dtype=np.int32), steps)
-        logits = self._lm.run(tokens.to(torch.int32).reshape(-1).numpy(), positions, seqs, np.ones(batch * steps, dtype=np.int8))
-        trie = self._lm.trie
-        self._leaves = [trie.grow(leaf, steps) for leaf in self._leaves]
-        self._lengths = [n + steps for n in self._lengths]
+        return self._append(tokens, [steps] * batch).view(batch, steps, -1)
+
+    def extend_rows(self, tokens: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """Append to row b its first counts[b] tokens of tokens [B, L], in one decode of only
+        those tokens; their logits packed row after row, [sum(counts), V] float32."""
+        self._check_open()
+        counts = check_counts(counts, tokens)
+        check_extend(tokens, self.batch_size, max(n + c for n, c in zip(self._lengths, counts.tolist())) - tokens.shape[1], self._lm.max_length)
+        return self._append(tokens, counts.tolist())
+
+    def _append(self, tokens: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """Row b gains tokens[b, :counts[b]]; rows that hold the same cells (one trie leaf: copies
+        made by resampling or forking) and gain the same tokens are decoded once, each token
+        carrying every such row's sequence id, so they share the new cells too.
+
+        Returns:
+            [sum(counts), V] float32 logits packed row after row: row b's are those of the
+            decoded copy of its tokens (the same bits: a position's logits depend only on its
+            sequence's cells, module docstring).
+        """
+        lm, trie = self._lm, self._lm.trie
+        rows = tokens.tolist()
+        # (leaf, new tokens) -> the rows that share them; dict order is the first row's order
+        shared: dict[tuple, list[int]] = {}
+        for b, count in enumerate(counts):
+            if count:
+                shared.setdefault((id(self._leaves[b]), tuple(rows[b][:count])), []).append(b)
+        if not shared:
+            return torch.empty(0, lm.vocabulary.size)
+        width = max(len(members) for members in shared.values())
+        n = sum(len(new) for _, new in shared)
+        flat, positions = np.empty(n, dtype=np.int32), np.empty(n, dtype=np.int32)
+        seqs = np.full((n, width), -1, dtype=np.int32)
+        # [B]: where row b's tokens start in the batch
+        starts = [0] * len(counts)
+        at = 0
+        for (_, new), members in shared.items():
+            first = members[0]
+            end = at + len(new)
+            flat[at:end] = new
+            positions[at:end] = np.arange(self._lengths[first], self._lengths[first] + len(new))
+            seqs[at:end, : len(members)] = [self._ids[b] for b in members]
+            for b in members:
+                starts[b] = at
+            at = end
+        logits = lm.run(flat, positions, seqs, np.ones(n, dtype=np.int8))
+        for (_, new), members in shared.items():
+            old = self._leaves[members[0]]
+            leaf = trie.grow(old, len(new))
+            for b in members[1:]:
+                # row b's hold moves from the old leaf to the new one (which holds the old)
+                trie.hold(leaf)
+                trie.drop(old)
+            for b in members:
+                self._leaves[b] = leaf
+                self._lengths[b] += len(new)
         self._record_peak()
-        return logits.view(batch, steps, -1)
+        if width == 1:
+            # no row shared its decode: the batch is already packed row after row
+            return logits
+        # [sum(counts)]: the batch entry of each kept token, row after row
+        index = torch.cat([torch.arange(starts[b], starts[b] + c) for b, c in enumerate(counts) if c])
+        return logits.index_select(0, index)
 
     def join(self, prompt: list[int], count: int) -> torch.Tensor:
         """Add `count` rows holding `prompt`, decoded once; the logits after it, [V] float32."""
@@ -581,39 +704,3 @@ def gguf_tokenizer(path: pathlib.Path):
         tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
         write_directory_atomically(directory, tokenizer.save_pretrained)
     return AutoTokenizer.from_pretrained(directory, local_files_only=True)
-
-
-#: the weight formats `requantize` writes, by name
-FORMATS = {"f32": 0, "f16": 1, "q4_1": 3, "q8_0": 7}
-
-#: c(n), a decode of n new positions in one-position decodes, for the default model in each
-#: format on an AMD EPYC (AVX2, one thread; 1x5, 4x5, 8x5 and 16x5 decodes, FACTS.md). llama.cpp's
-#: 4-bit path runs one position fast and batches badly, so speculation pays least there.
-PASS_COSTS = {
-    "q4_1": PassCost("llama.cpp Q4_1, CPU (AMD EPYC, AVX2)", ((1, 1.0), (5, 3.75), (20, 12.0), (40, 23.9), (80, 47.0))),
-    "q8_0": PassCost("llama.cpp Q8_0, CPU (AMD EPYC, AVX2)", ((1, 1.0), (5, 3.09), (20, 5.85), (40, 10.4), (80, 20.5))),
-    "f16": PassCost("llama.cpp F16, CPU (AMD EPYC, AVX2)", ((1, 1.0), (5, 1.95), (20, 4.39), (40, 8.12), (80, 13.5))),
-    "f32": PassCost("llama.cpp F32, CPU (AMD EPYC, AVX2)", ((1, 1.0), (5, 1.79), (20, 3.21), (40, 4.89), (80, 9.62))),
-}
-
-
-def requantize(source, destination, weight_format: str, threads: int = 1) -> pathlib.Path:
-    """Write a copy of a GGUF model with its weights in another format, by llama.cpp's quantizer.
-
-    Args:
-        weight_format: one of FORMATS ("q8_0", "f16", ...); a quantized source is dequantized
-            first (allow_requantize), so a copy of a 4-bit file holds the 4-bit weights' values.
-
-    Raises:
-        ValueError: for an unknown format or when llama.cpp fails.
-    """
-    if weight_format not in FORMATS:
-        raise ValueError(f"unknown weight format {weight_format!r}; use one of {', '.join(FORMATS)}")
-    llama = llama_cpp()
-    params = llama.llama_model_quantize_default_params()
-    params.ftype = FORMATS[weight_format]
-    params.allow_requantize = True
-    params.nthread = threads
-    if llama.llama_model_quantize(str(source).encode(), str(destination).encode(), ctypes.byref(params)) != 0:
-        raise ValueError(f"llama.cpp could not write {destination} as {weight_format} from {source}{_llama_error()}")
-    return pathlib.Path(destination)

@@ -14,7 +14,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 @pytest.fixture(scope="session")
 def llama_lm():
-    """The default model as it ships (Q4_1 weights), room for 16 rows at once."""
+    """The default target (its DEFAULT_FORMAT copy of the shipped file), one thread, room for 16 rows at once."""
     from smc_sd.backends.llama_cpp import LlamaCppLanguageModel
 
     return LlamaCppLanguageModel.default(n_seq_max=16, n_threads=1)
@@ -22,7 +22,7 @@ def llama_lm():
 
 @pytest.fixture(scope="session")
 def q8_gguf(tmp_path_factory, llama_lm):
-    """A Q8_0 copy of the shipped file, written by llama.cpp's own quantizer."""
-    from smc_sd.backends.llama_cpp import requantize
+    """A Q8_0 copy of the default target's file, written by llama.cpp's own quantizer."""
+    from smc_sd.backends.llama_formats import requantize
 
     return requantize(llama_lm.path, tmp_path_factory.mktemp("gguf") / "smollm2-q8_0.gguf", "q8_0")

@@ -114,6 +114,38 @@ def test_ragged_laws(llama_lm, tokenizer, prompt, continuation_rows, atol):
     testing.assert_ragged_truncate_consistent(llama_lm, prompts, continuation_rows, [len(prompt) + 2, 3, 0], atol)
     rows = torch.cat([continuation_rows, continuation_rows[:2]])
     testing.assert_join_many_consistent(llama_lm, prompts, [1, 2, 2], rows, atol)
+    testing.assert_extend_rows_consistent(llama_lm, prompts, continuation_rows, [3, 0, 5], atol)
+
+
+def test_copies_gaining_the_same_tokens_are_decoded_once(llama_lm, prompt, continuation_rows, atol, monkeypatch):
+    """Rows holding the same cells (the prompt's, or a resampled row's) that gain the same tokens
+    share one decode of them and its cells; every row's logits are still the bits of a fresh
+    decode of its own tokens."""
+    decoded = []
+    run = llama_lm.run
+    monkeypatch.setattr(llama_lm, "run", lambda tokens, *rest: decoded.append(len(tokens)) or run(tokens, *rest))
+    p = len(prompt)
+    reply, other = continuation_rows[0].tolist(), continuation_rows[2].tolist()
+    rows, _ = llama_lm.open(prompt, 4)
+    # rows 0 and 1: the same 3 tokens; row 2: their first 2 only; row 3: others
+    tokens = torch.tensor([reply[:3], reply[:3], reply[:3], other[:3]])
+    counts = torch.tensor([3, 3, 2, 3])
+    logits = rows.extend_rows(tokens, counts)
+    assert decoded[-1] == 3 + 2 + 3 and rows.memory()["live_blocks"] == p + 8
+    expected = [prompt + tokens[b, : t + 1].tolist() for b in range(4) for t in range(int(counts[b]))]
+    for entry, prefix in zip(logits, expected, strict=True):
+        torch.testing.assert_close(entry, testing.fresh_logits(llama_lm, prefix), atol=atol, rtol=0)
+    # rows 1 and 2 become copies of old row 1 (cells shared with row 0) and gain the same token
+    rows.select(torch.tensor([0, 1, 1, 3]))
+    after = rows.extend(torch.tensor([[reply[3]], [reply[4]], [reply[4]], [other[3]]]))
+    # row 2's own 2 cells are gone (rows 0, 1, 2 share 3 cells, row 3 holds 3); each of the 3
+    # decoded tokens adds a cell
+    assert decoded[-1] == 3 and rows.memory()["live_blocks"] == p + 6 + 3
+    for b, last in enumerate([reply[3], reply[4], reply[4], other[3]]):
+        prefix = prompt + (other[:3] if b == 3 else reply[:3]) + [last]
+        torch.testing.assert_close(after[b, 0], testing.fresh_logits(llama_lm, prefix), atol=atol, rtol=0, msg=f"row {b} after select")
+    rows.close()
+    assert llama_lm.trie.live == 0
 
 
 def test_cells_in_use_follow_the_token_trie(llama_lm, prompt):
@@ -122,17 +154,18 @@ def test_cells_in_use_follow_the_token_trie(llama_lm, prompt):
     p = len(prompt)
     rows, _ = llama_lm.open(prompt, 4)
     assert rows.memory()["live_blocks"] == p
-    rows.extend(torch.tensor([[1, 2, 3]] * 4))
-    assert rows.memory()["live_blocks"] == p + 12
+    # rows 0 and 1 hold the same cells and gain the same tokens: they share the new cells too
+    rows.extend(torch.tensor([[1, 2, 3], [1, 2, 3], [1, 2, 4], [5, 2, 3]]))
+    assert rows.memory()["live_blocks"] == p + 9
     rows.select(torch.tensor([0, 0, 0, 0]))
-    # the three dropped rows' tails are freed; the copies share row 0's cells
+    # the dropped rows' own tails are freed; the copies share row 0's cells
     assert rows.memory()["live_blocks"] == p + 3
     rows.extend(torch.tensor([[4], [5], [6], [7]]))
     assert rows.memory()["live_blocks"] == p + 3 + 4
     rows.truncate_rows(torch.tensor([p + 1, p + 4, p, p]))
     assert rows.memory()["live_blocks"] == p + 1 + 3 - 1 + 1
     memory = rows.memory()
-    assert memory["block_size"] == 1 and memory["peak_bytes"] == (p + 12) * llama_lm.cell_bytes
+    assert memory["block_size"] == 1 and memory["peak_bytes"] == (p + 9) * llama_lm.cell_bytes
     assert memory["naive_peak_bytes"] == 4 * (p + 4) * llama_lm.cell_bytes
     rows.close()
     assert llama_lm.trie.live == 0

@@ -13,6 +13,10 @@ import sys
 import jsonschema
 import pytest
 
+from smc_sd.backends.llama_cpp import default_threads
+from smc_sd.backends.llama_formats import DEFAULT_FORMAT, format_copy
+from smc_sd.models.smollm2 import gguf_path
+
 pytestmark = [pytest.mark.llama, pytest.mark.model]
 
 SCHEMA = {
@@ -45,6 +49,10 @@ def test_smc_sd_with_the_free_draft_fills_a_schema():
     assert out["complete"] and out["particles"] == 4
     # the particles shared the prompt's cells: fewer cells than four full copies
     assert out["kv_peak_bytes"] < out["kv_naive_bytes"]
+    # without --threads: one thread per physical core (at most 8), as llama.cpp reports them;
+    # without --target: the default format's copy of the shipped file
+    assert out["threads"] == default_threads()
+    assert out["target_file"] == str(format_copy(gguf_path(), DEFAULT_FORMAT)) and out["weight_format"] == DEFAULT_FORMAT
 
 
 def test_sd_with_a_requantized_gguf_draft(q8_gguf):
@@ -54,8 +62,10 @@ def test_sd_with_a_requantized_gguf_draft(q8_gguf):
 
 
 def test_another_gguf_as_the_target(q8_gguf):
-    out = summary(run_cli("--target", str(q8_gguf), "--method", "mask-at-verify", "--draft", "free", "--regex", "(yes|no)", "--json", "Is Paris in France?"))
+    out = summary(run_cli("--target", str(q8_gguf), "--threads", "2", "--method", "mask-at-verify", "--draft", "free", "--regex", "(yes|no)", "--json", "Is Paris in France?"))
     assert out["text"] in ("yes", "no") and out["complete"]
+    # the file that ran, its format, and the threads llama.cpp reports for its passes
+    assert out["target_file"] == str(q8_gguf) and out["weight_format"] == "q8_0" and out["threads"] == 2
 
 
 def test_streamed_text_and_progress_line():
@@ -73,6 +83,7 @@ def test_streamed_text_and_progress_line():
         (["--method", "ar", "--target", "README.md"], "not a GGUF file"),
         (["--method", "ar", "--target", "missing.gguf"], "no such file"),
         (["--method", "ar", "--dtype", "bfloat16"], "runs the GGUF's own weight format"),
+        (["--method", "ar", "--threads", "0"], "--threads must be >= 1, got 0"),
     ],
 )
 def test_choices_this_backend_cannot_run_are_one_line_errors(flags, message):
