@@ -22,7 +22,7 @@ import torch
 from genlm.control import Potential
 
 import smc_sd.constraints.compiled_grammars as compiled_grammars
-import smc_sd.constraints.potentials as potentials_module
+import smc_sd.constraints.byte_masks as byte_masks_module
 from smc_sd.program import Schedule
 from smc_sd.constraints.compiled_grammars import LRUCache
 from smc_sd.constraints.grammars import JsonSchema
@@ -151,19 +151,19 @@ class UnhashableNoDoubleA(NoDoubleA):
 
 def test_the_generic_paths_masks_are_shared_while_the_potential_lives_then_freed():
     lm = WordLM(JSON_WORDS)
-    tables = len(potentials_module._BYTE_MASKS)
+    tables = len(byte_masks_module._BYTE_MASKS)
     potential = NoDoubleA()
     prefixes = [[JSON_WORDS.index("a")], [JSON_WORDS.index("b")]]
     first = as_token_constraint(potential, lm).mask(prefixes)
     calls = potential.calls
-    assert len(potentials_module._BYTE_MASKS) == tables + 1
+    assert len(byte_masks_module._BYTE_MASKS) == tables + 1
     # a later run's lowering answers from the masks the first computed
     assert torch.equal(as_token_constraint(potential, lm).mask(prefixes), first) and potential.calls == calls
     kept = weakref.ref(potential)
     del potential
     gc.collect()
-    assert kept() is None and len(potentials_module._BYTE_MASKS) == tables
+    assert kept() is None and len(byte_masks_module._BYTE_MASKS) == tables
     # a potential without a hash lowers too, its masks then its lowering's own
     unhashable = UnhashableNoDoubleA()
     assert torch.equal(as_token_constraint(unhashable, lm).mask(prefixes), first)
-    assert len(potentials_module._BYTE_MASKS) == tables
+    assert len(byte_masks_module._BYTE_MASKS) == tables

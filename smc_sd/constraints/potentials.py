@@ -24,34 +24,27 @@ Special tokens other than EOS never appear in masks (their text is dropped on de
 from __future__ import annotations
 
 import asyncio
-import weakref
 
 import torch
 
+from smc_sd.constraints.byte_masks import PREFIX_BYTES, BoundedTable, PotentialCalls, SpelledVocabulary, batched_masks, mask_table
 from smc_sd.constraints.byte_vocabulary import vocabulary_trie
 from smc_sd.constraints.token_constraints import ConjunctionConstraint, TokenConstraint
 from smc_sd.constraints.scores import BlockPotential
 
 
-# per byte potential, per LM: the masks of its byte prefixes, kept while both live (a
-# potential asked again, in a later run, answers from them; they reference neither)
-_BYTE_MASKS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
 class BytePotentialConstraint(TokenConstraint):
     """Any boolean genlm-control potential over bytes, as token masks of one LM (the generic path).
 
-    The mask of a byte prefix d walks the vocabulary's byte trie from the root, asking the
-    potential once per live trie node n for the weights of every next byte, `logw_next(d + n)`
-    (one call gives all 256 children), and pruning each subtree whose byte is dead. EOS is
-    `complete(d)`. Masks are cached per byte prefix, for as long as the potential and the LM
-    live (every lowering of one potential for one LM shares them).
+    The mask of a generated prefix with bytes d allows token v iff prefix(d + bytes(v)) = 0, and
+    EOS iff complete(d) = 0 (`smc_sd.constraints.byte_masks`): every new row of a call and every
+    token are asked in one `batch_prefix`. Rows are cached by their bytes, for as long as the
+    potential and the LM live (every lowering of one potential for one LM shares them).
 
-    Cost: one `logw_next` per live node, so a mask costs as many potential calls as there are
-    distinct byte prefixes of allowed tokens: about 10^4 to 10^5 on a 49,152-token vocabulary
-    when most tokens stay live (inside a JSON string), seconds to minutes with a Python prefix
-    test. Use it for potentials llguidance cannot express; write regexes, grammars and schemas
-    as `Regex`, `Grammar` and `JsonSchema` (llguidance, microseconds per mask).
+    Cost: V prefix tests per new prefix (49,152 on the default model); with a vectorised
+    `batch_prefix` a mask costs tens of milliseconds, with a Python `prefix` alone about a
+    microsecond per token more. Use it for potentials llguidance cannot express; write regexes,
+    grammars and schemas as `Regex`, `Grammar` and `JsonSchema` (llguidance, microseconds per mask).
 
     Args:
         potential: a `Potential` whose vocabulary is bytes (ints 0..255); `prefix` must be 0 on
@@ -63,48 +56,32 @@ class BytePotentialConstraint(TokenConstraint):
     def __init__(self, potential, lm):
         self.potential = potential
         self.vocab_size, self.eos = lm.vocabulary.size, lm.vocabulary.eos_token_id
-        self._vocabulary, self._trie = vocabulary_trie(lm)
-        self._loop = asyncio.new_event_loop()
+        self._vocabulary = SpelledVocabulary(lm)
+        self._calls = PotentialCalls(potential)
         self._masks = mask_table(potential, lm)
+        self._bytes = BoundedTable(PREFIX_BYTES)
 
-    async def _walk(self, data: bytes) -> torch.Tensor:
-        mask = torch.zeros(self.vocab_size, dtype=torch.bool)
-        if await self.potential.prefix(data) == float("-inf"):
-            return mask
-        mask[self.eos] = await self.potential.complete(data) > float("-inf")
-        stack = [(self._trie, data)]
-        while stack:
-            node, text = stack.pop()
-            if None in node:
-                mask[node[None]] = True
-            children = [b for b in node if b is not None]
-            if not children:
-                continue
-            weights = await self.potential.logw_next(text)
-            for byte in children:
-                if weights[byte] > float("-inf"):
-                    stack.append((node[byte], text + bytes([byte])))
-        return mask
+    def _data(self, prefix: list[int]) -> bytes:
+        """The bytes of a token prefix: its parent's (when kept) plus its last token's."""
+        key = tuple(prefix)
+        data = self._bytes.get_recent(key)
+        if data is None:
+            parent = self._bytes.get_recent(key[:-1]) if key else None
+            spelled = self._vocabulary.bytes_of
+            data = parent + (spelled[key[-1]] or b"") if parent is not None else b"".join(spelled[t] or b"" for t in key)
+            self._bytes.put(key, data)
+        return data
 
     def mask(self, prefixes: list[list[int]]) -> torch.Tensor:
-        rows = []
-        for prefix in prefixes:
-            data = b"".join(self._vocabulary[t] for t in prefix)
-            if data not in self._masks:
-                self._masks[data] = self._loop.run_until_complete(self._walk(data))
-            rows.append(self._masks[data])
+        datas = [self._data(prefix) for prefix in prefixes]
+        rows = {data: self._masks.get_recent(data) for data in datas}
+        new = [data for data, row in rows.items() if row is None]
+        if new:
+            for data, row in zip(new, batched_masks(self._calls, self._vocabulary, new, self.vocab_size, self.eos)):
+                self._masks.put(data, row)
+                rows[data] = row
         # [B, V] bool
-        return torch.stack(rows)
-
-
-def mask_table(potential, lm) -> dict[bytes, torch.Tensor]:
-    """The masks of a byte potential's prefixes over `lm`'s tokens, shared by every lowering of
-    the pair while both live; a potential that cannot be a weak key (it defines `__eq__` without
-    `__hash__`, as a dataclass does) gets a table of its own lowering."""
-    try:
-        return _BYTE_MASKS.setdefault(potential, weakref.WeakKeyDictionary()).setdefault(lm, {})
-    except TypeError:
-        return {}
+        return torch.stack([rows[data] for data in datas])
 
 
 class TokenPotentialConstraint(TokenConstraint):
