@@ -67,7 +67,9 @@ def timed(step) -> float:
 def forward_step(lm, prompt: list[int], rows: int, new: int):
     """(step, close): step() appends [rows, new] tokens to `rows` open rows and removes them again."""
     sequences, _ = lm.open(prompt, rows)
-    tokens = torch.tensor(prompt[:new])[None].expand(rows, -1)
+    # [rows, new]: other tokens in every row (a backend may decode rows that gain the same
+    # tokens after the same cells once)
+    tokens = torch.tensor([prompt[b : b + new] for b in range(rows)])
 
     def step():
         sequences.extend(tokens)
@@ -120,8 +122,8 @@ def main(argv=None) -> dict:
         shapes = [tuple(int(n) for n in shape.split("x")) for shape in args.shapes.split(",")]
     except ValueError:
         parser.error(f"--shapes: give ROWSxTOKENS pairs such as 1x1,8x5, got {args.shapes!r}")
-    if args.repeats < 1 or any(b < 1 or not 1 <= l <= args.context for b, l in shapes):
-        parser.error("--repeats must be >= 1 and every shape needs rows >= 1 and 1 <= tokens <= --context")
+    if args.repeats < 1 or any(b < 1 or l < 1 or b + l > args.context + 1 for b, l in shapes):
+        parser.error("--repeats must be >= 1 and every shape needs rows >= 1, tokens >= 1 and rows + tokens <= --context + 1")
 
     from smc_sd.backends.hf import HFLanguageModel
 
