@@ -2,8 +2,10 @@
 (`smc-sd serve`: the OpenAI API over the batched engine, `smc_sd.serve`).
 
 Without --json the text streams to stdout as it becomes final (for SMC-SD: the prefix every
-particle shares, which no later resampling can change) and a progress line with tokens/s goes to
-stderr. With --json stdout is one JSON object.
+particle shares, which no later resampling can change) and a summary line goes to stderr at the
+end; a progress line with tokens/s, redrawn in place, goes to stderr only while stderr is a
+terminal that stdout is not (so it can never overwrite the answer). With --json stdout is one JSON
+object.
 
 Bad input is one line on stderr, `smc-sd: error: ...`, with exit status 2. Everything that can be
 judged without a model (flags, paths, constraints, the compiler's own `check_settings` on the
@@ -15,6 +17,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import os
 import sys
 import time
 
@@ -127,13 +130,33 @@ def check_request(args):
     return module, options, schedule
 
 
+# carriage return, then ANSI "erase to the end of the line": the progress line redrawn in place
+REDRAW = "\r\x1b[K"
+
+
+def progress_can_be_live(out=None, err=None) -> bool:
+    """Whether a line redrawn in place on `err` (default stderr) cannot overwrite text on `out`
+    (default stdout): `err` is a terminal and `out` is another file (a file, a pipe or another
+    terminal). Both on one terminal, a carriage return on stderr would return into the streamed
+    answer; stderr a file or a pipe, redrawn lines would pile up in it."""
+    out = sys.stdout if out is None else out
+    err = sys.stderr if err is None else err
+    try:
+        return err.isatty() and not os.path.samestat(os.fstat(out.fileno()), os.fstat(err.fileno()))
+    except (OSError, ValueError):
+        # a stream without a file descriptor (captured output): not a terminal either
+        return False
+
+
 class TextStream:
-    """Prints, once per cycle, the text that has become final, and a progress line to stderr."""
+    """Prints, once per cycle, the text that has become final, and (where `progress_can_be_live`)
+    a progress line redrawn in place on stderr."""
 
     def __init__(self, decode, eos: int, started: float, particles: int):
         self.decode, self.eos, self.started, self.particles = decode, eos, started, particles
         self.printed = ""
         self.tokens = 0
+        self.live = progress_can_be_live()
 
     def __call__(self, stats, rows: list[list[int]]) -> None:
         shared = common_prefix(rows)
@@ -141,9 +164,15 @@ class TextStream:
             shared = shared[: shared.index(self.eos)]
         self.show(self.decode(shared))
         self.tokens += stats.tokens
+        if not self.live:
+            return
         rate = self.tokens / max(time.perf_counter() - self.started, 1e-9)
         ess = f", ESS {stats.ess:.1f}/{self.particles}" if self.particles > 1 else ""
-        print(f"\r[{self.tokens} tokens, {rate:.1f} tok/s{ess}]", end="", file=sys.stderr, flush=True)
+        print(f"{REDRAW}[{self.tokens} tokens, {rate:.1f} tok/s{ess}]", end="", file=sys.stderr, flush=True)
+
+    def summarise(self, line: str) -> None:
+        """The last line on stderr, in place of the progress line where one was drawn."""
+        print(f"{REDRAW if self.live else ''}{line}", file=sys.stderr, flush=True)
 
     def show(self, text: str) -> None:
         # a trailing U+FFFD is an incomplete multi-byte character: wait for the rest
@@ -199,11 +228,10 @@ def generate(args) -> int:
         print(json.dumps(summary))
     else:
         stream.show(result.text)
-        print()
-        print(
-            f"\r[{len(result.tokens)} tokens in {result.seconds:.2f} s, {result.tokens_per_second:.2f} tok/s, "
-            f"{result.target_passes} target passes, {result.resamples} resamples, log Z {result.log_ml:.3f}, {precision.name}]",
-            file=sys.stderr,
+        print(flush=True)
+        stream.summarise(
+            f"[{len(result.tokens)} tokens in {result.seconds:.2f} s, {result.tokens_per_second:.2f} tok/s, "
+            f"{result.target_passes} target passes, {result.resamples} resamples, log Z {result.log_ml:.3f}, {precision.name}]"
         )
     if result.reliability_warning is not None:
         print(f"smc-sd: warning: {result.reliability_warning}", file=sys.stderr)
