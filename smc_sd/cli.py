@@ -20,6 +20,7 @@ import json
 import os
 import sys
 import time
+import warnings
 
 # the parser needs no torch, so `smc-sd --help` answers at once; a command imports what it runs
 from smc_sd.backends.precision import DTYPES as HF_DTYPES
@@ -193,9 +194,10 @@ def common_prefix(rows: list[list[int]]) -> list[int]:
 
 
 def generate(args) -> int:
-    from smc_sd.backends.hf import chat_prompt
-    from smc_sd.loading import load_models, model_precision, target_description
     from smc_sd.drafts import model_count
+    from smc_sd.engine.result import IncompleteResultWarning, incomplete_message
+    from smc_sd.loading import load_models, model_precision, target_description
+    from smc_sd.models.chat import prompt_token_ids
 
     apply_generate_defaults(args)
     module, options, schedule = check_request(args)
@@ -205,13 +207,13 @@ def generate(args) -> int:
     load_seconds = time.perf_counter() - started
     builder_args = (target,) if model_count(args) == 1 else (target, draft)
     program = module.program(*builder_args, **options)
-    if args.raw:
-        prompt = target.tokenizer.encode(args.prompt, add_special_tokens=False)
-    else:
-        prompt = chat_prompt(target.tokenizer, args.prompt)
+    prompt = prompt_token_ids(target, args.prompt, raw=args.raw)
     particles = schedule.particles
     stream = None if args.json else TextStream(target.decode, target.vocabulary.eos_token_id, time.perf_counter(), particles)
-    result = program.run(prompt, schedule, seed=args.seed, on_cycle=stream)
+    with warnings.catch_warnings():
+        # said below in the command's own words
+        warnings.simplefilter("ignore", IncompleteResultWarning)
+        result = program.run(prompt, schedule, seed=args.seed, on_cycle=stream)
     if args.json:
         summary = result.to_json()
         summary.update(
@@ -236,11 +238,7 @@ def generate(args) -> int:
     if result.reliability_warning is not None:
         print(f"smc-sd: warning: {result.reliability_warning}", file=sys.stderr)
     if not result.complete:
-        print(
-            f"smc-sd: warning: no particle completed a string the constraints accept within "
-            f"{args.max_new_tokens} tokens; the output is cut off (raise --max-new-tokens)",
-            file=sys.stderr,
-        )
+        print(f"smc-sd: warning: {incomplete_message(args.max_new_tokens, '--max-new-tokens')}", file=sys.stderr)
         return 1
     return 0
 

@@ -465,7 +465,9 @@ class SpeculativeGroup(Group):
     def result(self, kv: dict | None) -> Result:
         tokens, masker = self.tokens, self.plan.masker
         complete = masker is None or self.eos in tokens or bool(masker.complete([tokens])[0])
-        return self._result([tokens], [self.finished], torch.zeros(1, dtype=torch.float64), 0.0, 0, complete, kv)
+        # an incomplete string has weight zero, as in `conclude`
+        log_weight = 0.0 if complete else -math.inf
+        return self._result([tokens], [self.finished], torch.full((1,), log_weight, dtype=torch.float64), log_weight, 0, complete, kv)
 
     def _append(self, new: list[int]) -> int:
         """Append tokens, cut at the first stop string; finish at EOS or a stop. Returns the

@@ -8,6 +8,8 @@ outputs to normalised weights, `log_ml` is the log marginal-likelihood estimate 
 from __future__ import annotations
 
 import math
+import sys
+import warnings
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Callable
@@ -62,7 +64,8 @@ class Result:
         prompt: prompt token ids.
         particles: N lists of generated token ids (each ends at its EOS, if any).
         finished: N flags, True where the particle produced EOS.
-        log_weights: [N] float64 final log weights, relative to the last resampling.
+        log_weights: [N] float64 final log weights, relative to the last resampling; all -inf
+            (every weight zero) when no particle completed (`complete` False).
         log_ml: log Z_hat, the log of SMC's unbiased estimate of the target's normaliser.
         chosen: index of the returned particle, drawn ∝ final weights.
         cycles: one CycleStats per target pass after the prompt's.
@@ -117,8 +120,15 @@ class Result:
 
     @property
     def ess(self) -> float:
-        """Effective sample size of the final weights."""
+        """Effective sample size of the final weights: 0 when every weight is zero."""
         return effective_sample_size(self.log_weights)
+
+    @property
+    def weights(self) -> list[float]:
+        """The final weights normalised to sum 1; all 0.0 when every weight is zero."""
+        if not torch.isfinite(self.log_weights).any():
+            return [0.0] * len(self.particles)
+        return normalised_weights(self.log_weights).tolist()
 
     @property
     def positions(self) -> int:
@@ -251,6 +261,36 @@ def kv_memory(*rows) -> dict | None:
         return None
     fields = set.intersection(*(set(s) for s in stats)) - {"block_size"}
     return {name: sum(s[name] for s in stats) for name in sorted(fields)}
+
+
+class IncompleteResultWarning(UserWarning):
+    """No particle completed a string the constraints accept within the token budget: the
+    returned text is cut off (`Result.complete` is False), every final weight is zero (`ess` 0,
+    `log_ml` -inf). Filter it as any warning category, e.g.
+    `warnings.simplefilter("error", smc_sd.IncompleteResultWarning)`."""
+
+
+def incomplete_message(max_tokens: int, budget: str) -> str:
+    """What `IncompleteResultWarning` says; `budget` names the setting to raise."""
+    return (f"no particle completed a string the constraints accept within {max_tokens} tokens; "
+            f"the output is cut off (raise {budget})")
+
+
+def warn_if_incomplete(result: Result, max_tokens: int) -> Result:
+    """`result`, after an `IncompleteResultWarning` if it is incomplete, attributed to the first
+    caller outside smc_sd (the user's line)."""
+    if not result.complete:
+        warnings.warn(incomplete_message(max_tokens, "the schedule's max_tokens"), IncompleteResultWarning, stacklevel=_outside_stacklevel())
+    return result
+
+
+def _outside_stacklevel() -> int:
+    """The `stacklevel` that names the first frame outside smc_sd, for a warning issued by the
+    function calling this one."""
+    frame, level = sys._getframe(1), 1
+    while frame is not None and frame.f_globals.get("__name__", "").startswith("smc_sd"):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 class AllParticlesDiedError(RuntimeError):

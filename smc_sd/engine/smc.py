@@ -259,8 +259,9 @@ def conclude(plan, state: Particles, log_z: float, generator):
     The last twist comes off (the final weights target pi itself), the token budget's
     completeness applies (`complete_at_budget`), log Z_hat gains logsumexp(log w) - log N of the
     final weights, and the returned particle is drawn ∝ final weights. When no particle holds a
-    complete string an incomplete one is drawn ∝ the weights before the completeness check,
-    with log Z_hat = -inf and `complete` False.
+    complete string every final weight is zero (all -inf, so the result's ESS is 0), log Z_hat
+    = -inf, `complete` is False, and an incomplete particle is drawn ∝ the weights before the
+    completeness check.
 
     Args:
         log_z: log Z_hat accumulated by the resamplings.
@@ -276,6 +277,6 @@ def conclude(plan, state: Particles, log_z: float, generator):
     final_logw = complete_at_budget(plan, state.tokens, state.finished, logw, state.log_phi, eos)
     if not torch.isfinite(final_logw).any():
         chosen = int(torch.multinomial(normalised_weights(logw), 1, generator=generator))
-        return logw, -math.inf, chosen, False
+        return final_logw, -math.inf, chosen, False
     chosen = int(torch.multinomial(normalised_weights(final_logw), 1, generator=generator))
     return final_logw, log_z + log_mean_weight(final_logw), chosen, True

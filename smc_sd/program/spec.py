@@ -110,47 +110,57 @@ class Program:
 
     def run(
         self,
-        prompt: list[int],
+        prompt: str | list[int],
         schedule: Schedule = Schedule(),
         seed: int = 0,
         on_cycle: Callable[[CycleStats, list[list[int]]], None] | None = None,
+        raw: bool = False,
     ) -> Result:
         """Run the program on one prompt (`smc_sd.api.run`: the batched engine with one request).
 
         Args:
-            prompt: prompt token ids (non-empty).
+            prompt: text, wrapped in the target's chat template as `smc-sd generate` wraps it
+                (with `raw`, encoded as is), or prompt token ids (non-empty), used as given.
             schedule: particles, resampling and token budget.
             seed: seeds the run's own random generator; equal seeds give equal results.
             on_cycle: called after every cycle with its stats and the particles' token ids.
+            raw: encode a text prompt without the chat template.
+
+        Warns:
+            IncompleteResultWarning: no particle completed a string the constraints accept
+                within the budget (`Result.complete` False, ESS 0).
         """
         from smc_sd.api import run
 
-        return run(self, prompt, schedule, seed=seed, on_cycle=on_cycle)
+        return run(self, prompt, schedule, seed=seed, on_cycle=on_cycle, raw=raw)
 
     def run_many(
         self,
-        prompts: list[list[int]],
+        prompts: list[str | list[int]],
         schedule: Schedule = Schedule(),
         seeds: list[int] | None = None,
         max_running: int = 32,
+        raw: bool = False,
     ) -> list[Result]:
         """Run the program on many prompts in one batch (`smc_sd.api.run_many`): the
         particles of up to `max_running` prompts share every target and draft pass, and
-        result i is what `run(prompts[i], schedule, seed=seeds[i])` returns (seeds default to 0).
+        result i is what `run(prompts[i], schedule, seed=seeds[i], raw=raw)` returns (seeds
+        default to 0; prompts are text or token ids, as for `run`).
         """
         from smc_sd.api import run_many
 
-        return run_many(self, prompts, schedule, seeds=seeds, max_running=max_running)
+        return run_many(self, prompts, schedule, seeds=seeds, max_running=max_running, raw=raw)
 
     def smc(
         self,
-        prompt: list[int],
+        prompt: str | list[int],
         n_particles: int,
         ess_threshold: float = 0.5,
         max_tokens: int = 128,
         resampling: str = "systematic",
         seed: int = 0,
+        raw: bool = False,
     ) -> Result:
         """genlm-control style entry point: `run` with the schedule spelled out."""
         schedule = Schedule(n_particles, ess_threshold, resampling, max_tokens)
-        return self.run(prompt, schedule, seed=seed)
+        return self.run(prompt, schedule, seed=seed, raw=raw)

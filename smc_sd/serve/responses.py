@@ -20,6 +20,7 @@ The smc object of a choice (non-finite numbers become null, as JSON has no infin
     pass_cost               with the free draft: the pass-cost table the choice used (null when the
                             block length was fixed)
     particles               with return_particles: every particle's text and normalised weight
+                            (every weight 0 when no particle completed)
 """
 
 from __future__ import annotations
@@ -28,7 +29,6 @@ import math
 import time
 import uuid
 
-from smc_sd.engine.resampling import normalised_weights
 from smc_sd.engine.result import Result
 from smc_sd.serve.text import cut_at_stop
 
@@ -75,9 +75,8 @@ def smc_object(result: Result, seed: int, draft_len: int, stop: tuple[str, ...],
         "pass_cost": None if result.free_draft is None else result.free_draft["pass_cost"],
     }
     if return_particles:
-        weights = normalised_weights(result.log_weights).tolist()
         out["particles"] = [{"text": cut_at_stop(result.decode(ids), stop)[0], "weight": w, "finished": f}
-                            for ids, w, f in zip(result.particles, weights, result.finished)]
+                            for ids, w, f in zip(result.particles, result.weights, result.finished)]
     return out
 
 
