@@ -18,6 +18,7 @@ import torch
 
 from smc_sd.backends.precision import DTYPES as HF_DTYPES
 from smc_sd.compiler.plan import check_settings
+from smc_sd.constraints.json_depth import JSONTooDeepError, load_json
 from smc_sd.program import Schedule
 from smc_sd.drafts import model_count
 from smc_sd.programs import get
@@ -183,6 +184,8 @@ def parsed_constraints(args) -> tuple:
         raise ValueError(f"{flag} {error.filename}: cannot read it ({error.strerror})") from error
     except json.JSONDecodeError as error:
         raise ValueError(f"--json-schema {args.json_schema}: not valid JSON ({error})") from error
+    except JSONTooDeepError as error:
+        raise ValueError(f"--json-schema: {error}") from error
     except ValueError as error:
         named = ", ".join(f"--regex {value!r}" if flag == "--regex" else f"{flag} {value}" for flag, value in given.items())
         raise ValueError(f"{named}: {one_line(error)}") from error
@@ -201,7 +204,7 @@ def constraint_potentials(args) -> tuple:
     if args.json_schema is not None:
         # the schema itself (text starting with "{") or the path of a file holding it
         inline = args.json_schema.lstrip().startswith("{")
-        schema = json.loads(args.json_schema if inline else pathlib.Path(args.json_schema).read_text())
+        schema = load_json(args.json_schema if inline else pathlib.Path(args.json_schema).read_text(), "the JSON schema")
     return potentials(regex=args.regex, grammar=grammar, json_schema=schema, json_layout=getattr(args, "json_layout", "compact"))
 
 

@@ -150,6 +150,18 @@ def test_bad_flag_is_one_line_before_any_model_loads(flags, phrase, files, no_mo
     assert_refused(flags + [PROMPT], phrase, files, capsys)
 
 
+def test_a_schema_nested_past_the_limit_is_one_line(files, no_model_loads, capsys, tmp_path):
+    from smc_sd.constraints.json_depth import MAX_JSON_DEPTH
+    from tests.test_json_depth import nested_objects_text
+
+    deep = nested_objects_text(500)
+    (tmp_path / "deep.json").write_text(deep)
+    for schema in (deep, str(tmp_path / "deep.json")):
+        code, out, err = run_cli(["--json-schema", schema, PROMPT], capsys)
+        assert code == 2 and out == "" and len(err) == 1, err
+        assert err[0].startswith(f"smc-sd: error: --json-schema: the JSON schema nests arrays and objects more than {MAX_JSON_DEPTH} levels deep"), err[0]
+
+
 @pytest.mark.parametrize("prompt", ["", "   "])
 def test_empty_prompt_is_one_line(prompt, files, no_model_loads, capsys):
     assert_refused(["--method", "ar", prompt], "the prompt is empty", files, capsys)

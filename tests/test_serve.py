@@ -22,8 +22,10 @@ import jsonschema
 import openai
 import pytest
 
+from smc_sd.constraints.json_depth import MAX_JSON_DEPTH
 from smc_sd.serve.metrics import METRICS
 from tests.serve_process import MODEL, ServerProcess, http
+from tests.test_json_depth import nested_objects, nested_objects_text
 
 model = pytest.mark.model
 
@@ -270,6 +272,38 @@ def test_other_refusals(server, client):
     assert status == 400 and "not JSON" in json.loads(text)["error"]["message"]
     status, text = http(server.url + "/chat/completions", b"[1, 2]")
     assert status == 400 and "must be a JSON object" in json.loads(text)["error"]["message"]
+
+
+@model
+def test_json_nested_past_the_limit_is_a_400_and_the_server_keeps_serving(server, client):
+    deep = nested_objects_text(500)
+    shallow = json.dumps({"model": MODEL, "messages": QUESTION, "max_tokens": 4})
+    body = shallow[:-1] + ', "response_format": {"type": "json_schema", "json_schema": {"name": "deep", "schema": ' + deep + "}}}"
+    status, text = http(server.url + "/chat/completions", body.encode())
+    error = json.loads(text)["error"]
+    assert status == 400 and error["code"] == "json_too_deep" and error["type"] == "invalid_request_error"
+    assert error["message"] == f"the request body nests arrays and objects more than {MAX_JSON_DEPTH} levels deep (the limit is {MAX_JSON_DEPTH})"
+    # a schema as JSON text in a shallow body: refused, naming its field
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=4, extra_body={"structured_outputs": {"json": deep}})
+    assert caught.value.body["param"] == "structured_outputs.json" and caught.value.body["code"] == "json_too_deep"
+    assert f"more than {MAX_JSON_DEPTH} levels deep" in caught.value.body["message"]
+    # within the limit (a body 123 levels deep), a schema of 60 nested objects is served
+    answer = client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=4, response_format={
+        "type": "json_schema", "json_schema": {"name": "deep", "schema": nested_objects(60)}})
+    assert answer.choices[0].message.content.startswith('{"a":')
+
+
+def test_a_body_nested_past_the_limit_is_a_400_before_any_model_runs():
+    from smc_sd.serve.app import Server, build_app
+
+    target = types.SimpleNamespace(tokenizer=None, vocabulary=types.SimpleNamespace(size=8), max_length=64)
+    app = build_app(Server(types.SimpleNamespace(dead=None), target, None, "tiny"))
+    schema_body = '{"model": "tiny", "messages": [], "response_format": {"type": "json_schema", "json_schema": {"schema": ' + nested_objects_text(500) + "}}}"
+    for body in (schema_body, "[" * 100_000 + "]" * 100_000):
+        status, answer = asgi_request(app, "POST", "/v1/chat/completions", body.encode())
+        assert status == 400 and answer["error"]["code"] == "json_too_deep", answer
+        assert f"the request body nests arrays and objects more than {MAX_JSON_DEPTH} levels deep" in answer["error"]["message"]
 
 
 @model

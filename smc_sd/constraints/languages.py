@@ -26,6 +26,7 @@ from typing import Callable
 
 import llguidance
 
+from smc_sd.constraints.json_depth import check_json_depth, load_json
 from smc_sd.constraints.token_constraints import UnsatisfiableConstraintError
 from smc_sd.constraints.json_validation import schema_validator
 
@@ -144,6 +145,7 @@ def json_schema_language(schema, layout: str = "compact") -> Language:
             breaks its metaschema), "unsupported JSON schema feature: ..." (a valid schema
             llguidance cannot compile, such as circular references with sibling keys), or a
             format neither llguidance nor jsonschema can enforce (naming it).
+        JSONTooDeepError: a schema nested past `MAX_JSON_DEPTH` levels (a ValueError too).
         UnsatisfiableConstraintError: "the JSON schema admits no value: ...".
     """
     if layout not in JSON_LAYOUTS:
@@ -180,14 +182,16 @@ def json_schema_language(schema, layout: str = "compact") -> Language:
 
 
 def load_schema(schema) -> dict | bool:
-    """A schema given as a dict, JSON text or file path, as a Python object."""
+    """A schema given as a dict, JSON text or file path, as a Python object, at most
+    `MAX_JSON_DEPTH` levels deep (`JSONTooDeepError` otherwise)."""
     if isinstance(schema, (dict, bool)):
+        check_json_depth(schema, "the JSON schema")
         return schema
     if isinstance(schema, pathlib.Path) or (isinstance(schema, str) and not schema.lstrip().startswith(("{", "[")) and pathlib.Path(schema).is_file()):
         schema = pathlib.Path(schema).read_text()
     if not isinstance(schema, str):
         raise ValueError(f"a JSON schema must be a dict, JSON text or a file path, got {type(schema).__name__}")
     try:
-        return json.loads(schema)
+        return load_json(schema, "the JSON schema")
     except json.JSONDecodeError as error:
         raise ValueError(f"the JSON schema is not valid JSON: {error}") from None

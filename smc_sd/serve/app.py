@@ -25,6 +25,7 @@ from fastapi import FastAPI
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.requests import Request as HTTPRequest
 
+from smc_sd.constraints.json_depth import JSONTooDeepError, load_json
 from smc_sd.drafts import parse_draft
 from smc_sd.serve.errors import APIError, bad_request, engine_dead, run_failed
 from smc_sd.serve.metrics import CONTENT_TYPE, prometheus_text
@@ -146,9 +147,11 @@ async def complete(server: Server, client: HTTPRequest, endpoint: str):
     if server.engine.dead is not None:
         raise engine_dead(server.engine.dead)
     try:
-        body = json.loads(await client.body())
+        body = load_json(await client.body(), "the request body")
     except (json.JSONDecodeError, UnicodeDecodeError) as error:
         raise bad_request(f"the request body is not JSON: {error}") from None
+    except JSONTooDeepError as error:
+        raise bad_request(str(error), code="json_too_deep") from None
     # parsing tokenizes and compiles constraints; checking lowers them: off the event loop
     parsed = await asyncio.to_thread(parse, body, endpoint, server.model)
     requests = await asyncio.to_thread(server.requests, parsed)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 
+from smc_sd.constraints.json_depth import JSONTooDeepError, load_json
 from smc_sd.constraints.languages import JSON_LAYOUTS
 from smc_sd.serve.errors import bad_request
 from smc_sd.serve.fields import ARRAY, BOOLEAN, OBJECT, STRING, read, shown
@@ -101,9 +102,11 @@ def schema_object(schema, param: str):
     """A JSON schema given as an object, a boolean or JSON text, as a Python object."""
     if isinstance(schema, str):
         try:
-            schema = json.loads(schema)
+            schema = load_json(schema, param)
         except json.JSONDecodeError as error:
             raise bad_request(f"{param} is not valid JSON: {error}", param) from None
+        except JSONTooDeepError as error:
+            raise bad_request(str(error), param, code="json_too_deep") from None
     if not isinstance(schema, (dict, bool)):
         raise bad_request(f"{param} must be a JSON schema (an object), got {shown(schema)}", param)
     return schema
