@@ -100,18 +100,19 @@ class PotentialCalls:
         if overrides(self.potential, f"batch_{method}"):
             logw = self._loop.run_until_complete(getattr(self.potential, f"batch_{method}")(contexts))
             return np.asarray(logw, dtype=np.float64) > float("-inf")
-        one = getattr(self.potential, method)
-        return np.fromiter((self._answer(one, c) > float("-inf") for c in contexts), dtype=bool, count=len(contexts))
-
-    def _answer(self, one, context: bytes) -> float:
-        coroutine = one(context)
-        try:
-            coroutine.send(None)
-        except StopIteration as finished:
-            return finished.value
-        # it awaited something: run it again on the loop (a potential is a function of its context)
-        coroutine.close()
-        return self._loop.run_until_complete(one(context))
+        one, logw = getattr(self.potential, method), []
+        for context in contexts:
+            # a coroutine that awaits nothing ends at its first send, its value in StopIteration
+            coroutine = one(context)
+            try:
+                coroutine.send(None)
+            except StopIteration as finished:
+                logw.append(finished.value)
+                continue
+            # it awaited something: run it again on the loop (a potential is a function of its context)
+            coroutine.close()
+            logw.append(self._loop.run_until_complete(one(context)))
+        return np.array(logw, dtype=np.float64) > float("-inf")
 
 
 class SpelledVocabulary:
