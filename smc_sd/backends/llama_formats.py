@@ -33,9 +33,11 @@ DEFAULT_FORMAT = "q4_0"
 FORMATS = {"f32": 0, "f16": 1, "q4_0": 2, "q4_1": 3, "q8_0": 7}
 
 #: c(n), a decode of n new positions in one-position decodes, for the default model in each
-#: format on an AMD EPYC (AVX2, one thread; 1x5, 4x5, 8x5 and 16x5 decodes, FACTS.md). llama.cpp's
-#: 4-bit path runs one position fast and batches badly, so speculation pays least there.
+#: format, one thread, AVX2 build: on an AMD EPYC (1x5, 4x5, 8x5 and 16x5 decodes, FACTS.md), and
+#: for Q4_0 on a 2-core Intel Xeon model 207 (1x5, 4x5, 16x5; forward_cost_llama_formats.json).
+#: llama.cpp's 4-bit paths run one position fast and batch badly, so speculation pays least there.
 PASS_COSTS = {
+    "q4_0": PassCost("llama.cpp Q4_0, CPU (Intel Xeon model 207, AVX2)", ((1, 1.0), (5, 2.47), (20, 7.20), (80, 28.4))),
     "q4_1": PassCost("llama.cpp Q4_1, CPU (AMD EPYC, AVX2)", ((1, 1.0), (5, 3.75), (20, 12.0), (40, 23.9), (80, 47.0))),
     "q8_0": PassCost("llama.cpp Q8_0, CPU (AMD EPYC, AVX2)", ((1, 1.0), (5, 3.09), (20, 5.85), (40, 10.4), (80, 20.5))),
     "f16": PassCost("llama.cpp F16, CPU (AMD EPYC, AVX2)", ((1, 1.0), (5, 1.95), (20, 4.39), (40, 8.12), (80, 13.5))),
