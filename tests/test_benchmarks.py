@@ -1,4 +1,4 @@
-"""The benchmark scripts' model-free parts run, and the README report renders from their JSON."""
+"""The benchmark scripts' model-free parts run, and the report in docs/results.md renders from their JSON."""
 
 import json
 import pathlib
