@@ -207,21 +207,7 @@ class KVCacheManager:
         bs, old = self.block_size, table.lengths.clone()
         tokens = tokens.to(torch.int64).cpu()
         counts = torch.full_like(old, tokens.shape[1]) if counts is None else counts.to(torch.int64).cpu()
-        copies = []
-        # rows that write into a partial last block
-        for b in ((old % bs != 0) & (counts > 0)).nonzero().flatten().tolist():
-            last = int(old[b]) // bs
-            block = int(table.blocks[b, last])
-            if self.pool.is_writable(block):
-                # about to change: its trie key would no longer describe it, nor its cached
-                # descendants' (no row holds them: a row holding one would hold this block too)
-                self._unindex([block])
-            else:
-                fresh = self._allocate(1)
-                copies.append((block, int(fresh)))
-                # count stays >= 1: the source survives until the store has copied it
-                self.pool.release(torch.tensor([block]))
-                table.blocks[b, last] = fresh
+        copies = self._own_last_blocks(table, ((old % bs != 0) & (counts > 0)).nonzero().flatten())
         new_lengths = old + counts
         have, need = _blocks_for(old, bs), _blocks_for(new_lengths, bs)
         table.blocks = _pad_columns(table.blocks, int(need.max()))
@@ -245,7 +231,44 @@ class KVCacheManager:
         slots = torch.full_like(positions, -1)
         if bool(real.any()):
             slots[real] = self._slots_at(table, positions.masked_fill(~real, 0))[real]
-        return AppendPlan(torch.tensor(copies, dtype=torch.int64).view(-1, 2), slots)
+        return AppendPlan(copies, slots)
+
+    def _own_last_blocks(self, table: BlockTables, rows: torch.Tensor) -> torch.Tensor:
+        """Make the partial last block of each listed row its own before the row writes into it
+        (copy on write), for all rows at once.
+
+        Taken row by row in order, a row finds its block's count c lowered by the holders before
+        it that copied; so among the r-th holder (r = 0, 1, ...) of a block in this call, the one
+        with c - r = 1 writes in place (the last holder, when no one else holds the block) and
+        every other takes a fresh copy and gives one reference back (the source keeps a count of
+        at least 1 until the store has copied it).
+
+        Args:
+            rows: [R] int64 rows whose next token lands in a partial last block.
+
+        Returns:
+            [C, 2] int64 (source, fresh) block copies for the store.
+        """
+        if rows.numel() == 0:
+            return torch.empty(0, 2, dtype=torch.int64)
+        last = table.lengths[rows] // self.block_size
+        blocks = table.blocks[rows, last]
+        # [R]: each row's rank among the rows holding its block (rows in ascending order)
+        ordered, order = torch.sort(blocks, stable=True)
+        first = torch.searchsorted(ordered, ordered)
+        rank = torch.empty_like(rows)
+        rank[order] = torch.arange(rows.numel()) - first
+        in_place = self.pool.counts(blocks) - rank == 1
+        # about to change: their trie keys would no longer describe them, nor their cached
+        # descendants' (no row holds those: a row holding one would hold this block too)
+        self._unindex(blocks[in_place].tolist())
+        sources = blocks[~in_place]
+        if sources.numel() == 0:
+            return torch.empty(0, 2, dtype=torch.int64)
+        fresh = self._allocate(sources.numel())
+        self.pool.release(sources)
+        table.blocks[rows[~in_place], last[~in_place]] = fresh
+        return torch.stack([sources, fresh], 1)
 
     def commit(self, table: BlockTables, start) -> None:
         """Index the blocks that became full since length `start`, sharing equal ones.

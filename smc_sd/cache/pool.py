@@ -79,6 +79,10 @@ class BlockPool:
         """Blocks with a count of at least 2 (held by more than one path)."""
         return int((self._counts > 1).sum())
 
+    def counts(self, blocks: torch.Tensor) -> torch.Tensor:
+        """The reference counts of the listed blocks ([n] int64)."""
+        return self._counts[blocks]
+
     def count(self, block: int) -> int:
         """The reference count of one block."""
         return int(self._counts[block])

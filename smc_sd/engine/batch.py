@@ -53,7 +53,7 @@ import torch
 from smc_sd.backends.base import LanguageModel, check_same_vocabulary
 from smc_sd.engine.free_groups import FreeImportanceGroup
 from smc_sd.engine.groups import Group, ImportanceGroup, SpeculativeGroup
-from smc_sd.engine.importance_step import verify_importance_rows
+from smc_sd.engine.importance_step import resample_groups, verify_importance_rows
 from smc_sd.engine.requests import Event, Handle, QueueFullError, Request
 from smc_sd.engine.result import CycleStats, Result, kv_memory
 from smc_sd.engine.rows import RowSet, join_groups, reseat_groups, row_logits
@@ -384,8 +384,9 @@ class BatchEngine:
 
     def _verify_in_step(self, members: list[int], entries: list[_Entry], healthy: list[bool], logits: torch.Tensor, starts: torch.Tensor) -> None:
         """Verify the SMC-SD requests `members` (indices into `entries`, one draft length) in one
-        batched step (`verify_importance_rows`); each request's masks, accounting and resampling
-        stay its own, and what fails there fails that request only."""
+        batched step (`verify_importance_rows`) and resample them (`resample_groups`); each
+        request's masks and accounting stay its own, and what fails there fails that request
+        only."""
         blocks, masks = {}, {}
         for i in members:
             g = entries[i].group
@@ -396,8 +397,9 @@ class BatchEngine:
             return
         groups = [entries[i].group for i in members]
         rows = verify_importance_rows(groups, self.table, logits, starts, [blocks[i] for i in members], [masks[i] for i in members])
-        for i, g, count in zip(members, groups, rows):
-            healthy[i] = self._attempt(entries[i], g.end_verify, count)
+        outcomes = resample_groups(groups, self.table)
+        for i, g, count, outcome in zip(members, groups, rows, outcomes):
+            healthy[i] = self._attempt(entries[i], g.end_verify, count, outcome)
 
     def _note_kv(self, groups: list[Group], healthy: list[bool], target_rows: list[torch.Tensor], draft_rows: list[torch.Tensor | None]) -> None:
         """Each healthy request's KV now, at the widest point of its cycle (`Group.note_kv`):

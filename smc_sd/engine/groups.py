@@ -38,7 +38,7 @@ import torch
 
 from smc_sd.engine.drafting import BlockDrafter, DraftBlock, block_masks, first_token_mask, trim_at_eos
 from smc_sd.engine.free_drafts import FreeDrafter
-from smc_sd.engine.resampling import resample_on_ess
+from smc_sd.engine.importance_step import resample_groups
 from smc_sd.engine.result import AllParticlesDiedError, CycleStats, Result, mask_stats
 from smc_sd.engine.slots import SlotTable
 from smc_sd.engine.smc import advance, conclude, cycle_masks, first_particles, rescore_block_end, verify_block
@@ -266,6 +266,9 @@ class ImportanceGroup(Group):
         if stops is not None:
             table.stopped[slots[~state.finished]] = stops.any(1)
         table.store(slots, advanced)
+        # particles that finished drop their rows
+        table.target_row[slots[advanced.finished]] = -1
+        table.draft_row[slots[advanced.finished]] = -1
         self.end_verify(rows)
 
     @property
@@ -281,44 +284,53 @@ class ImportanceGroup(Group):
         tokens ([A, K] int64), or None when unconstrained."""
         return None if self.mask_at is None else self.mask_at(drafted)[0]
 
-    def end_verify(self, rows: int) -> None:
-        """After the block is stored (`table` holds the advanced particles): the particles that
-        finished drop their rows, the counters advance and the cycle ends (`end_cycle`).
+    def end_verify(self, rows: int, outcome: tuple[float, bool, float] | None = None) -> None:
+        """After the block is stored (`table` holds the advanced particles, the finished ones
+        without rows): the counters advance and the cycle ends.
 
         Args:
             rows: the particles that were unfinished before the block.
+            outcome: the cycle's resampling when the batched step computed it
+                (`resample_groups`); None resamples this request alone (`end_cycle`).
 
         Raises:
             AllParticlesDiedError: when every weight reaches zero.
         """
-        plan, table, slots = self.plan, self.table, self.slots
+        plan = self.plan
         tokens_this_cycle = min(plan.draft_len + 1, plan.max_tokens - self.generated)
         self.generated += tokens_this_cycle
-        finished = slots[table.finished[slots]]
-        table.target_row[finished] = -1
-        table.draft_row[finished] = -1
         self.tokens_out += rows * tokens_this_cycle
         self.draft_passes += plan.draft_len
-        self.end_cycle(tokens=tokens_this_cycle, rows=rows)
+        if outcome is None:
+            self.end_cycle(tokens=tokens_this_cycle, rows=rows)
+        else:
+            self.record_cycle(outcome, tokens=tokens_this_cycle, rows=rows)
 
     def end_cycle(self, **stats) -> None:
         """The end of every SMC cycle: the ESS of the stored weights, resampling when it falls
         below tau N (slot i takes its ancestor's state, log w = 0, log Z_hat += logsumexp(log w)
-        - log N), and the cycle's CycleStats (`stats`: its other fields).
+        - log N; `resample_groups`, this request alone), and the cycle's CycleStats (`stats`:
+        its other fields).
 
         Raises:
             AllParticlesDiedError: when every weight is zero.
         """
-        plan, n = self.plan, self.plan.particles
-        logw = self.table.logw[self.slots].clone()
-        ess, ancestors, log_z_step = resample_on_ess(logw, plan.ess_threshold, self.generator, plan.resampling)
+        self.record_cycle(resample_groups([self], self.table)[0], **stats)
+
+    def record_cycle(self, outcome: tuple[float, bool, float], **stats) -> None:
+        """The cycle's CycleStats from its resampling `outcome` (ess, resampled, log_z_step).
+
+        Raises:
+            AllParticlesDiedError: when every weight is zero (ESS 0).
+        """
+        ess, resampled, log_z_step = outcome
+        n = self.plan.particles
         if ess == 0.0:
             self.cycles.append(CycleStats(ess, False, -math.inf, particles=n, **stats))
-            raise AllParticlesDiedError("every particle reached weight zero", self.result_with(logw, -math.inf, 0, True, None))
-        if ancestors is not None:
+            raise AllParticlesDiedError("every particle reached weight zero", self.result_with(self.table.logw[self.slots].clone(), -math.inf, 0, True, None))
+        if resampled:
             self.log_z += log_z_step
-            self.table.copy(self.slots, self.slots[ancestors])
-        self.cycles.append(CycleStats(ess, ancestors is not None, self.log_z, particles=n, **stats))
+        self.cycles.append(CycleStats(ess, resampled, self.log_z, particles=n, **stats))
 
     def result(self, kv: dict | None) -> Result:
         """The request's Result (`smc_sd.engine.smc.conclude`).

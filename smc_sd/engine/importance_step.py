@@ -14,6 +14,10 @@ exactly as `smc_sd.engine.smc.verify_block` and `advance` compute them for one r
 bonus draws use uniforms keyed by (request seed, cycle, particle, stream), so a request draws
 the same tokens alone or among others (`smc_sd.engine.keyed_random`).
 
+The end of the cycle, ESS, the resampling decision, ancestor draws and log Z_hat steps, is one
+call of `resample_rows` per particle count N over every request with N particles
+(`resample_groups`), for every SMC-SD request, stepped or not.
+
 What stays per request: the masks (each request's constraint object is asked for its rows),
 and the requests whose particles need per-prefix Python after the block (stop strings, block-end
 potentials, a twist) or whose blocks are a free draft's: they verify with their own
@@ -29,7 +33,8 @@ import math
 
 import torch
 
-from smc_sd.engine.keyed_random import BONUS, counter, keyed_uniform
+from smc_sd.engine.keyed_random import BONUS, RESAMPLE, counter, keyed_uniform
+from smc_sd.engine.resampling import resample_rows
 from smc_sd.engine.sampling import gather_last, logsumexp_floored, tempered_logprobs_rows, tokens_from_uniforms
 
 
@@ -82,7 +87,7 @@ def verify_importance_rows(groups: list, table, packed: torch.Tensor, starts: to
         bonus_scores = alpha[:, None] * tempered_logprobs_rows(logits[:, k], temperature, mask, greedy)
         # a row the mask leaves without mass draws unmasked, to keep shapes; its weight is zero
         drawn_from = torch.where(bonus_scores.amax(-1, keepdim=True) > float("-inf"), bonus_scores, drawn_from)
-    seeds = torch.tensor([g.request.seed for g in groups], dtype=torch.int64)[owner]
+    seeds = torch.tensor([key_seed(g) for g in groups], dtype=torch.int64)[owner]
     cycles = torch.tensor([len(g.cycles) for g in groups], dtype=torch.int64)[owner]
     bonus = tokens_from_uniforms(drawn_from, keyed_uniform(seeds, counter(cycles, particle[active], k, BONUS)))
     increments = logsumexp_floored(bonus_scores, -1)[:, None].double()
@@ -124,9 +129,50 @@ def advance_rows(groups: list, table, slots: torch.Tensor, request: torch.Tensor
     within = columns[None, :] < budget[:, None]
     # an EOS strictly before this column
     keep = active[:, None] & ((torch.cumsum(is_eos, 1) - is_eos) == 0) & within
-    table.finished[slots] = ~active | ((full_block == eos) & keep).any(1)
+    finished = ~active | ((full_block == eos) & keep).any(1)
+    table.finished[slots] = finished
+    # particles that finished drop their rows
+    table.target_row[slots[finished]] = -1
+    table.draft_row[slots[finished]] = -1
     table.logw[slots] += torch.where(keep, full_increments, 0.0).sum(1)
     # the kept tokens go to columns generated .. generated + min(K + 1, budget) - 1
     at = (generated[:, None] + columns[None, :])[within]
     table.tokens[slots[:, None].expand(-1, width)[within], at] = full_block[within]
     table.length[slots] = generated + budget.clamp(max=width)
+
+
+def key_seed(group) -> int:
+    """The request's seed as a key word of `keyed_random` (in [0, 2^63))."""
+    return group.request.seed % (1 << 63)
+
+
+def resample_groups(groups: list, table) -> list[tuple[float, bool, float]]:
+    """The end of a cycle for many requests: ESS, the resampling decision (`resample_rows`) and
+    ancestors, the requests of equal N in one call, uniforms keyed by (seed, cycle, particle);
+    the resampled particles take their ancestors' state in one `SlotTable.copy`.
+
+    Args:
+        groups: `ImportanceGroup`s whose blocks are stored in `table`.
+
+    Returns:
+        per group (ess, resampled, log_z_step), log_z_step 0.0 when not resampled.
+    """
+    out: list = [None] * len(groups)
+    targets, sources = [], []
+    for n in sorted({g.plan.particles for g in groups}):
+        members = [i for i, g in enumerate(groups) if g.plan.particles == n]
+        # [G_n, N]: the slots of the requests with N particles
+        slots = torch.stack([groups[i].slots for i in members])
+        seeds = torch.tensor([key_seed(groups[i]) for i in members], dtype=torch.int64)[:, None]
+        cycles = torch.tensor([len(groups[i].cycles) for i in members], dtype=torch.int64)[:, None]
+        u = keyed_uniform(seeds, counter(cycles, torch.arange(n)[None, :], 0, RESAMPLE))
+        plans = [groups[i].plan for i in members]
+        ess, resampled, ancestors, steps = resample_rows(table.logw[slots], [p.ess_threshold for p in plans], [p.resampling for p in plans], u)
+        targets.append(slots[resampled].flatten())
+        sources.append(slots.gather(1, ancestors)[resampled].flatten())
+        for i, e, r, step in zip(members, ess.tolist(), resampled.tolist(), steps.tolist()):
+            out[i] = (e, r, step if r else 0.0)
+    targets = torch.cat(targets)
+    if targets.numel():
+        table.copy(targets, torch.cat(sources))
+    return out

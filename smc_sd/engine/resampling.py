@@ -37,23 +37,33 @@ def effective_sample_size(logw: torch.Tensor) -> float:
     return float(1.0 / (w * w).sum())
 
 
-def _inverse_cdf(w: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """Index j with cdf_{j-1} <= u < cdf_j for each sorted u in [0, 1).
+def inverse_cdf_rows(w: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Per row g, the index j with cdf_{g, j-1} <= u_{g, m} < cdf_{g, j} for each sorted u_{g, m}.
 
-    The cumulative weight is forced to exactly 1 from the last particle of positive weight on,
-    and indices are clamped to that particle: a u that round-off leaves at or above the computed
-    total (points (i + u) / n can round to 1.0) still lands on a particle of positive weight,
-    never on index N nor on the zero-weight particles after it; `right=True` search skips the
-    zero-weight particles before it (their cdf step is empty).
+    The cumulative weight is forced to exactly 1 from the row's last particle of positive
+    weight on, and indices are clamped to that particle: a u that round-off leaves at or above
+    the computed total (points (i + u) / n can round to 1.0) still lands on a particle of
+    positive weight, never on index N nor on the zero-weight particles after it; `right=True`
+    search skips the zero-weight particles before it (their cdf step is empty). Each row is
+    searched on its own, so a row's indices do not depend on the other rows.
 
     Args:
-        w: [N] float64 normalised weights, at least one positive.
-        u: [M] float64 sorted points in [0, 1].
+        w: [G, N] float64 normalised weights; a row with no positive weight gives indices 0.
+        u: [G, M] float64 points in [0, 1], sorted along each row.
+
+    Returns:
+        [G, M] int64 indices into each row.
     """
-    last = int((w > 0).nonzero().max())
-    cdf = torch.cumsum(w, 0)
-    cdf[last:] = 1.0
-    return torch.searchsorted(cdf, u, right=True).clamp_(max=last)
+    columns = torch.arange(w.shape[1], device=w.device)
+    # [G, 1]: each row's last particle of positive weight
+    last = torch.where(w > 0, columns, 0).amax(-1, keepdim=True)
+    cdf = torch.cumsum(w, -1).masked_fill(columns >= last, 1.0)
+    return torch.minimum(torch.searchsorted(cdf, u, right=True), last)
+
+
+def _inverse_cdf(w: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """`inverse_cdf_rows` of one population: w [N], sorted u [M] in [0, 1]."""
+    return inverse_cdf_rows(w[None], u[None])[0]
 
 
 def multinomial(w: torch.Tensor, n: int, generator: torch.Generator) -> torch.Tensor:
@@ -75,15 +85,10 @@ def systematic(w: torch.Tensor, n: int, generator: torch.Generator) -> torch.Ten
 
 
 def residual(w: torch.Tensor, n: int, generator: torch.Generator) -> torch.Tensor:
-    """floor(n w̄_j) deterministic copies of j, the remaining r draws multinomial on the residue."""
-    copies = torch.floor(n * w).long()
-    ancestors = torch.repeat_interleave(torch.arange(w.numel(), device=w.device), copies)
-    r = n - int(copies.sum())
-    if r == 0:
-        return ancestors
-    residue = n * w - copies
-    rest = multinomial(residue / residue.sum(), r, generator)
-    return torch.cat([ancestors, rest]).sort().values
+    """floor(n w̄_j) deterministic copies of j, the remaining r draws multinomial on the residue
+    (`residual_rows` of one population)."""
+    u = torch.rand(n, generator=generator, dtype=torch.float64, device=w.device)
+    return residual_rows(w[None], u[None])[0]
 
 
 RESAMPLERS: dict[str, Callable[[torch.Tensor, int, torch.Generator], torch.Tensor]] = {
@@ -120,12 +125,13 @@ def log_mean_weight(logw: torch.Tensor) -> float:
     return float(torch.logsumexp(logw.double(), 0)) - math.log(logw.numel())
 
 
-#: relative margin under which an ESS counts as reaching the threshold (`resample_on_ess`)
+#: relative margin under which an ESS counts as reaching the threshold (`resample_rows`)
 ESS_TIE = 1e-9
 
 
-def resample_on_ess(logw: torch.Tensor, threshold: float, generator: torch.Generator, scheme: str = "systematic") -> tuple[float, torch.Tensor | None, float]:
-    """One cycle's resampling decision: resample when 0 < ESS < threshold · N · (1 - ESS_TIE).
+def resample_rows(logw: torch.Tensor, thresholds: list[float], schemes: list[str], u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One cycle's resampling of G populations of N particles each, row g by its own threshold
+    and scheme: resample when 0 < ESS_g < tau_g · N · (1 - ESS_TIE).
 
     Weights often tie the threshold exactly: with N = 4 and tau = 0.5, two particles a constraint
     killed and two of equal weight give ESS = 2 = tau N. Computed in floating point such an ESS
@@ -133,21 +139,73 @@ def resample_on_ess(logw: torch.Tensor, threshold: float, generator: torch.Gener
     the weights were summed, which depends on what else shared the pass; so an ESS within
     ESS_TIE of the threshold (relative) counts as reaching it, and the decision is the same
     whatever ran beside the request. Any rule that decides from the weights alone keeps SMC's
-    law; this one moves the threshold by a billionth.
+    law; this one moves the threshold by a billionth. A population whose every weight is zero
+    (ESS 0) is not resampled: there is nothing to draw from, and the caller ends the run.
 
-    A population whose every weight is zero (ESS 0) is not resampled: there is nothing to draw
-    from, and the caller ends the run (`AllParticlesDiedError`).
+    Each row is computed on its own (reductions along rows), so a population's result does not
+    depend on the other rows.
 
     Args:
-        logw: [N] float64 log weights relative to the last resampling.
-        threshold: tau in [0, 1].
+        logw: [G, N] float64 log weights relative to the last resampling.
+        thresholds: G values tau_g in [0, 1].
+        schemes: G names of RESAMPLERS.
+        u: [G, N] float64 uniforms on [0, 1): systematic reads u[g, 0], the others all N
+            (residual the first r_g, its residual draws).
 
     Returns:
-        (ess, ancestors, log_z_step): when resampling, the [N] int64 ancestors and the log Z_hat
-        increment logsumexp(logw) - log N (after which every log weight restarts at 0); else
-        (ess, None, 0.0).
+        ess [G] float64 (0 for a dead population), resampled [G] bool, ancestors [G, N] int64
+        (sorted along each row; meaningful where resampled), log_z_step [G] float64
+        (logsumexp(log w_g) - log N, the log Z_hat increment of a resampling).
     """
-    ess = effective_sample_size(logw)
-    if ess == 0.0 or ess >= threshold * logw.numel() * (1 - ESS_TIE):
-        return ess, None, 0.0
-    return ess, resample(logw, generator, scheme), log_mean_weight(logw)
+    for scheme in set(schemes):
+        check_resampler(scheme)
+    g, n = logw.shape
+    # [G]: log of each population's total weight, -inf for a dead one
+    log_total = torch.logsumexp(logw, -1)
+    alive = torch.isfinite(log_total)
+    # [G, N]: normalised weights (all 0 in a dead row)
+    w = torch.exp(logw - torch.where(alive, log_total, 0.0)[:, None])
+    ess = torch.where(alive, 1.0 / (w * w).sum(-1), 0.0)
+    tau = torch.tensor(thresholds, dtype=torch.float64, device=logw.device)
+    resampled = (ess > 0) & (ess < tau * n * (1 - ESS_TIE))
+    columns = torch.arange(n, dtype=torch.float64, device=logw.device)
+    # [G, N]: each row's sorted points in [0, 1)
+    points = {
+        "systematic": lambda: (columns + u[:, :1]) / n,
+        "stratified": lambda: (columns + u) / n,
+        "multinomial": lambda: u.sort(-1).values,
+    }
+    ancestors = torch.zeros(g, n, dtype=torch.int64, device=logw.device)
+    for scheme in set(schemes):
+        rows = torch.tensor([s == scheme for s in schemes], device=logw.device)[:, None]
+        drawn = residual_rows(w, u) if scheme == "residual" else inverse_cdf_rows(w, points[scheme]())
+        ancestors = torch.where(rows, drawn, ancestors)
+    return ess, resampled, ancestors, log_total - math.log(n)
+
+
+def residual_rows(w: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Residual resampling of each row: floor(N w̄_j) copies of j, then r = N - sum of them
+    draws from the residue N w̄ - floor(N w̄), normalised, by the sorted first r uniforms.
+
+    Args:
+        w: [G, N] float64 normalised weights; u: [G, N] float64 uniforms.
+
+    Returns:
+        [G, N] int64 ancestors, sorted along each row.
+    """
+    n = w.shape[1]
+    copies = torch.floor(n * w)
+    # [G, N]: the deterministic copies fill the first `fixed` positions of each row, in order
+    ends = torch.cumsum(copies, -1)
+    fixed = ends[:, -1:]
+    positions = torch.arange(n, dtype=torch.float64, device=w.device)[None, :]
+    copied = torch.searchsorted(ends, positions.expand_as(ends).contiguous(), right=True).clamp_(max=n - 1)
+    residue = n * w - copies
+    total = residue.sum(-1, keepdim=True)
+    residue = torch.where(total > 0, residue / torch.where(total > 0, total, 1.0), w)
+    # the first r = N - fixed uniforms, sorted (the rest pushed past 1 and never read)
+    rest = torch.where(positions < n - fixed, u, 2.0).sort(-1).values
+    drawn = inverse_cdf_rows(residue, rest.clamp(max=1.0))
+    # position i >= fixed takes the (i - fixed)-th residual draw
+    taken = drawn.gather(1, (positions - fixed).clamp(min=0).long())
+    return torch.where(positions < fixed, copied, taken).sort(-1).values

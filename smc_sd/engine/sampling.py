@@ -112,7 +112,7 @@ def sample_tokens(scores: torch.Tensor, generator: torch.Generator) -> torch.Ten
     Returns:
         [B] int64 token ids.
     """
-    u = torch.rand(scores.shape[0], generator=generator, dtype=torch.float64, device=scores.device)
+    u = torch.rand(scores.shape[:1], generator=generator, dtype=torch.float64, device=scores.device)
     return tokens_from_uniforms(scores, u)
 
 
