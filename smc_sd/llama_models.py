@@ -49,7 +49,7 @@ def check_llama_choice(args) -> None:
     llama-cpp-python, paths that are not GGUF files, a packaged draft, an LM method without a
     draft, and a --dtype (the GGUF's own weight format runs). Called by
     `smc_sd.settings.check_model_choice`, which has judged what every backend shares."""
-    from smc_sd.backends.llama_cpp import INSTALL
+    from smc_sd.backends.llama_library import INSTALL
 
     if importlib.util.find_spec("llama_cpp") is None:
         raise ValueError(f"--backend llama-cpp needs llama-cpp-python, which is not installed; install the extra (it builds llama.cpp, 10-16 min on 2 cores): {INSTALL}")

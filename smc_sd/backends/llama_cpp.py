@@ -52,13 +52,10 @@ import numpy as np
 import torch
 
 from smc_sd.backends.base import ContextOverflowError, LanguageModel, TokenizerMismatchError, Vocabulary, check_open
+from smc_sd.backends.llama_library import _llama_error, llama_cpp
 from smc_sd.backends.llama_formats import DEFAULT_FORMAT, FORMATS, PASS_COSTS, SHIPPED_FORMAT, format_copy
 from smc_sd.backends.llama_rows import CellTrie, DecodeBatch, LlamaCppSequences
 from smc_sd.backends.pass_cost import PassCost
-
-#: the portable build of the llama extra (no -march=native: the building and the running
-#: processor may differ); README, "llama.cpp backend"
-INSTALL = 'CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON" pip install -e ".[llama]"'
 
 #: KV-cache bytes the default context may take (cells = this / bytes per cell, never fewer than
 #: the model's own context)
@@ -70,40 +67,6 @@ KV_ELEMENT_BYTES = 2
 #: the most threads a pass gets by default (more cores than this gain little on small models and
 #: take the machine from everything else)
 MAX_DEFAULT_THREADS = 8
-
-#: llama.cpp's ggml log level of errors (GGML_LOG_LEVEL_ERROR)
-_LOG_ERROR = 4
-
-_llama = None
-_log_callback = None
-_last_errors: list[str] = []
-
-
-def llama_cpp():
-    """The `llama_cpp` module, imported (and its backend initialised, its log silenced) once.
-
-    Raises:
-        ValueError: when llama-cpp-python is not installed, saying how to install it.
-    """
-    global _llama, _log_callback
-    if _llama is None:
-        try:
-            import llama_cpp as module
-        except ImportError as error:
-            raise ValueError(f"--backend llama-cpp needs llama-cpp-python, which is not installed; install the extra (it builds llama.cpp, 10-16 min on 2 cores): {INSTALL}") from error
-
-        def log(level, text, _data):
-            # llama.cpp logs every load at length; keep its errors for our one-line messages
-            if level == _LOG_ERROR and text:
-                _last_errors.append(text.decode(errors="replace").strip())
-                del _last_errors[:-4]
-
-        _log_callback = module.llama_log_callback(log)
-        module.llama_log_set(_log_callback, ctypes.c_void_p(0))
-        module.llama_backend_init()
-        _llama = module
-    return _llama
-
 
 def default_threads(cap: int = MAX_DEFAULT_THREADS) -> int:
     """One thread per physical core this process may run on (hyper-threads of one core count
@@ -117,11 +80,6 @@ def default_threads(cap: int = MAX_DEFAULT_THREADS) -> int:
         except OSError:
             cores.add(("cpu", str(cpu)))
     return max(1, min(cap, len(cores)))
-
-
-def _llama_error() -> str:
-    """llama.cpp's last logged error, or an empty string."""
-    return f" ({_last_errors[-1]})" if _last_errors else ""
 
 
 class LlamaCppLanguageModel(LanguageModel):
@@ -144,7 +102,7 @@ class LlamaCppLanguageModel(LanguageModel):
     """
 
     def __init__(self, path, tokenizer=None, n_seq_max: int = 16, n_cells: int | None = None, n_threads: int | None = None):
-        llama = llama_cpp()
+        llama = self._lib = llama_cpp()
         self.path = pathlib.Path(path)
         if not self.path.is_file():
             raise ValueError(f"{self.path}: no such GGUF file")
@@ -264,7 +222,7 @@ class LlamaCppLanguageModel(LanguageModel):
 
     def copy(self, source: int, destination: int) -> None:
         """Add `destination` to every cell of `source` (the cells are shared, no byte moves)."""
-        _llama.llama_memory_seq_cp(self._memory, source, destination, -1, -1)
+        self._lib.llama_memory_seq_cp(self._memory, source, destination, -1, -1)
 
     def park(self, seq: int, start: int, length: int) -> None:
         """Remove `seq` from its cells at positions start .. length - 1, which stay held by the
@@ -279,14 +237,14 @@ class LlamaCppLanguageModel(LanguageModel):
         """
         if length <= start:
             return
-        _llama.llama_memory_seq_cp(self._memory, seq, self._parking, start, length)
-        if not _llama.llama_memory_seq_rm(self._memory, seq, start, -1):
+        self._lib.llama_memory_seq_cp(self._memory, seq, self._parking, start, length)
+        if not self._lib.llama_memory_seq_rm(self._memory, seq, start, -1):
             raise RuntimeError(f"llama.cpp refused to remove sequence {seq} past position {start}")
         self.parked += length - start
 
     def unpark(self) -> None:
         """Free the parked cells (every cell is free afterwards when no row holds one)."""
-        _llama.llama_memory_seq_rm(self._memory, self._parking, -1, -1)
+        self._lib.llama_memory_seq_rm(self._memory, self._parking, -1, -1)
         self.parked = 0
 
     def decode(self, token_ids: list[int]) -> str:
@@ -311,28 +269,28 @@ class LlamaCppLanguageModel(LanguageModel):
         batch = self._batch.fill(tokens, positions, seqs, outputs)
         if self.trie.live == 0 and self.parked:
             self.unpark()
-        status = _llama.llama_decode(self._ctx, batch)
+        status = self._lib.llama_decode(self._ctx, batch)
         if status == 1 and self.parked:
             # room before order: the parked cells go, and later tokens may take cells below
             # their sequence's others (logits then move by rounding, see `park`)
             self.unpark()
-            status = _llama.llama_decode(self._ctx, batch)
+            status = self._lib.llama_decode(self._ctx, batch)
         if status == 1:
             raise ContextOverflowError(f"llama.cpp's KV cache is full: {n} new tokens do not fit in its {self.n_cells} cells ({self.trie.live} in use); use fewer particles or requests, or more cells (n_cells)")
         if status != 0:
             raise RuntimeError(f"llama_decode failed with status {status}{_llama_error()}")
         # [count, V] float32: llama.cpp's output rows (batch order), one memcpy into a new tensor
         logits = torch.empty(int(np.count_nonzero(outputs)), self._vocabulary.size, dtype=torch.float32)
-        ctypes.memmove(logits.data_ptr(), _llama.llama_get_logits(self._ctx), logits.numel() * 4)
+        ctypes.memmove(logits.data_ptr(), self._lib.llama_get_logits(self._ctx), logits.numel() * 4)
         return logits
 
     def __del__(self):
-        if _llama is not None:
+        if getattr(self, "_lib", None) is not None:
             if getattr(self, "_ctx", None):
-                _llama.llama_free(self._ctx)
+                self._lib.llama_free(self._ctx)
                 self._ctx = None
             if getattr(self, "_model", None):
-                _llama.llama_model_free(self._model)
+                self._lib.llama_model_free(self._model)
                 self._model = None
 
 

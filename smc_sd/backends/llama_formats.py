@@ -56,7 +56,7 @@ def requantize(source, destination, weight_format: str, threads: int = 1) -> pat
     Raises:
         ValueError: for an unknown format or when llama.cpp fails.
     """
-    from smc_sd.backends.llama_cpp import _llama_error, llama_cpp
+    from smc_sd.backends.llama_library import _llama_error, llama_cpp
 
     if weight_format not in FORMATS:
         raise ValueError(f"unknown weight format {weight_format!r}; use one of {', '.join(FORMATS)}")

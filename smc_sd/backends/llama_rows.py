@@ -10,7 +10,6 @@ row is free and carries no cell; after `close()` other methods raise ValueError.
 from __future__ import annotations
 
 import ctypes
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -24,9 +23,6 @@ from smc_sd.backends.base import (
     check_truncate,
     check_truncate_rows,
 )
-
-if TYPE_CHECKING:
-    from smc_sd.backends.llama_cpp import LlamaCppLanguageModel
 
 
 class DecodeBatch:
@@ -127,7 +123,8 @@ class CellTrie:
 class LlamaCppSequences(Sequences):
     """B rows of a `LlamaCppLanguageModel`: one sequence id, one length and one trie leaf each."""
 
-    def __init__(self, lm: LlamaCppLanguageModel):
+    def __init__(self, lm):
+        """lm: the `LlamaCppLanguageModel` whose context holds the rows."""
         self._lm = lm
         self._ids: list[int] = []
         self._lengths: list[int] = []
