@@ -375,6 +375,7 @@ class BatchEngine:
                 healthy[i] = self._attempt(e, g.verify, row_logits(logits, starts, rows, widths[i]))
         for k in sorted({g.draft_len for g, step in zip(groups, stepped) if step}):
             self._verify_in_step([i for i, g in enumerate(groups) if stepped[i] and g.draft_len == k], entries, healthy, logits, starts)
+        self._resample([i for i, g in enumerate(groups) if healthy[i] and g.pending_stats is not None], entries, healthy)
         for i, (e, g) in enumerate(zip(entries, groups)):
             if healthy[i] and e.on_cycle is not None:
                 healthy[i] = self._attempt(e, e.on_cycle, g.cycles[-1], g.particle_tokens())
@@ -384,9 +385,8 @@ class BatchEngine:
 
     def _verify_in_step(self, members: list[int], entries: list[_Entry], healthy: list[bool], logits: torch.Tensor, starts: torch.Tensor) -> None:
         """Verify the SMC-SD requests `members` (indices into `entries`, one draft length) in one
-        batched step (`verify_importance_rows`) and resample them (`resample_groups`); each
-        request's masks and accounting stay its own, and what fails there fails that request
-        only."""
+        batched step (`verify_importance_rows`); each request's masks and accounting stay its
+        own, and what fails there fails that request only."""
         blocks, masks = {}, {}
         for i in members:
             g = entries[i].group
@@ -397,9 +397,18 @@ class BatchEngine:
             return
         groups = [entries[i].group for i in members]
         rows = verify_importance_rows(groups, self.table, logits, starts, [blocks[i] for i in members], [masks[i] for i in members])
-        outcomes = resample_groups(groups, self.table)
-        for i, g, count, outcome in zip(members, groups, rows, outcomes):
-            healthy[i] = self._attempt(entries[i], g.end_verify, count, outcome)
+        for i, g, count in zip(members, groups, rows):
+            g.end_verify(count)
+
+    def _resample(self, members: list[int], entries: list[_Entry], healthy: list[bool]) -> None:
+        """The end of the cycle of every SMC-SD request `members` (indices into `entries`)
+        whose block is stored: one `resample_groups` over all of them, then each records its
+        cycle (a request whose every weight is zero fails alone)."""
+        if not members:
+            return
+        outcomes = resample_groups([entries[i].group for i in members], self.table)
+        for i, outcome in zip(members, outcomes):
+            healthy[i] = self._attempt(entries[i], entries[i].group.record_cycle, outcome)
 
     def _note_kv(self, groups: list[Group], healthy: list[bool], target_rows: list[torch.Tensor], draft_rows: list[torch.Tensor | None]) -> None:
         """Each healthy request's KV now, at the widest point of its cycle (`Group.note_kv`):

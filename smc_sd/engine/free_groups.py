@@ -144,7 +144,7 @@ class FreeImportanceGroup(ImportanceGroup):
     def verify(self, target_logits: torch.Tensor) -> None:
         """Extension and its weights (`smc_free.extend_running`, or the draft LM's block in its
         cycles), block-end potentials and twist on the extended particles, then ESS and
-        resampling (`ImportanceGroup.end_cycle`).
+        resampling (`ImportanceGroup.end_cycle`, with every SMC-SD request's).
 
         Args:
             target_logits: [U, width, V] float32, the target's logits over the distinct rows.

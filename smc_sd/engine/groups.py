@@ -38,7 +38,6 @@ import torch
 
 from smc_sd.engine.drafting import BlockDrafter, DraftBlock, block_masks, first_token_mask, trim_at_eos
 from smc_sd.engine.free_drafts import FreeDrafter
-from smc_sd.engine.importance_step import resample_groups
 from smc_sd.engine.result import AllParticlesDiedError, CycleStats, Result, mask_stats
 from smc_sd.engine.slots import SlotTable
 from smc_sd.engine.smc import advance, conclude, cycle_masks, first_particles, rescore_block_end, verify_block
@@ -89,6 +88,8 @@ class Group:
         self.free_drafter: FreeDrafter | None = None
         #: the largest KV its rows held at once (`note_kv`); None once a backend cannot tell
         self.kv_peak: dict | None = {"peak_bytes": 0, "naive_peak_bytes": 0}
+        #: an SMC-SD cycle's statistics between its verification and its resampling
+        self.pending_stats: dict | None = None
 
     @property
     def draft_len(self) -> int:
@@ -284,46 +285,38 @@ class ImportanceGroup(Group):
         tokens ([A, K] int64), or None when unconstrained."""
         return None if self.mask_at is None else self.mask_at(drafted)[0]
 
-    def end_verify(self, rows: int, outcome: tuple[float, bool, float] | None = None) -> None:
+    def end_verify(self, rows: int) -> None:
         """After the block is stored (`table` holds the advanced particles, the finished ones
-        without rows): the counters advance and the cycle ends.
+        without rows): the counters advance and the cycle's statistics wait for its
+        resampling (`end_cycle`).
 
         Args:
             rows: the particles that were unfinished before the block.
-            outcome: the cycle's resampling when the batched step computed it
-                (`resample_groups`); None resamples this request alone (`end_cycle`).
-
-        Raises:
-            AllParticlesDiedError: when every weight reaches zero.
         """
         plan = self.plan
         tokens_this_cycle = min(plan.draft_len + 1, plan.max_tokens - self.generated)
         self.generated += tokens_this_cycle
         self.tokens_out += rows * tokens_this_cycle
         self.draft_passes += plan.draft_len
-        if outcome is None:
-            self.end_cycle(tokens=tokens_this_cycle, rows=rows)
-        else:
-            self.record_cycle(outcome, tokens=tokens_this_cycle, rows=rows)
+        self.end_cycle(tokens=tokens_this_cycle, rows=rows)
 
     def end_cycle(self, **stats) -> None:
-        """The end of every SMC cycle: the ESS of the stored weights, resampling when it falls
-        below tau N (slot i takes its ancestor's state, log w = 0, log Z_hat += logsumexp(log w)
-        - log N; `resample_groups`, this request alone), and the cycle's CycleStats (`stats`:
-        its other fields).
+        """The block is stored; the cycle ends when the engine has resampled every SMC-SD
+        request together (`resample_groups`: the ESS of the stored weights, resampling when it
+        falls below tau N, slot i taking its ancestor's state, log w = 0, log Z_hat +=
+        logsumexp(log w) - log N) and calls `record_cycle` with the outcome and these `stats`
+        (the cycle's other CycleStats fields)."""
+        self.pending_stats = stats
 
-        Raises:
-            AllParticlesDiedError: when every weight is zero.
-        """
-        self.record_cycle(resample_groups([self], self.table)[0], **stats)
-
-    def record_cycle(self, outcome: tuple[float, bool, float], **stats) -> None:
-        """The cycle's CycleStats from its resampling `outcome` (ess, resampled, log_z_step).
+    def record_cycle(self, outcome: tuple[float, bool, float]) -> None:
+        """The cycle's CycleStats from its resampling `outcome` (ess, resampled, log_z_step)
+        and the statistics `end_cycle` kept.
 
         Raises:
             AllParticlesDiedError: when every weight is zero (ESS 0).
         """
         ess, resampled, log_z_step = outcome
+        stats, self.pending_stats = self.pending_stats, None
         n = self.plan.particles
         if ess == 0.0:
             self.cycles.append(CycleStats(ess, False, -math.inf, particles=n, **stats))

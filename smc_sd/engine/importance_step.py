@@ -56,7 +56,8 @@ def verify_importance_rows(groups: list, table, packed: torch.Tensor, starts: to
         A_g per group: its particles that were unfinished before the block.
 
     Writes the table's tokens, length, finished and logw of every group's slots; the groups'
-    per-cycle accounting and resampling are the caller's (`ImportanceGroup.end_verify`).
+    per-cycle accounting (`ImportanceGroup.end_verify`) and resampling (`resample_groups`) are
+    the caller's.
     """
     k = groups[0].plan.draft_len
     eos = groups[0].eos
