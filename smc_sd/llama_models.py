@@ -1,7 +1,7 @@
 """The models `--backend llama-cpp` names, judged before anything loads (`smc_sd.loading` loads them).
 
-The target is llama.cpp's Q4_0 copy of the default model's shipped GGUF (SmolLM2-135M-Instruct,
-shipped in Q4_1; `llama_formats.DEFAULT_FORMAT`) or `--target FILE.gguf`; a draft LM is `--draft FILE.gguf` (or `free+FILE.gguf`), which
+The target is the default model's shipped GGUF as it ships (SmolLM2-135M-Instruct, Q4_1
+weights; `llama_formats.DEFAULT_FORMAT`) or `--target FILE.gguf`; a draft LM is `--draft FILE.gguf` (or `free+FILE.gguf`), which
 must share the target's token ids. There is no packaged draft on this backend (the hf backend's
 self, distilled and feature drafts are transformers models): sd and smc-sd take `--draft free` or
 a GGUF file; `serve` without `--draft` serves ar and the free drafts.

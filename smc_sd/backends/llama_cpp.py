@@ -53,7 +53,7 @@ import torch
 
 from smc_sd.backends.base import ContextOverflowError, LanguageModel, TokenizerMismatchError, Vocabulary, check_open
 from smc_sd.backends.llama_library import _llama_error, llama_cpp
-from smc_sd.backends.llama_formats import DEFAULT_FORMAT, FORMATS, PASS_COSTS, SHIPPED_FORMAT, format_copy
+from smc_sd.backends.llama_formats import DEFAULT_FORMAT, FORMATS, PASS_COSTS, format_path
 from smc_sd.backends.llama_rows import CellTrie, DecodeBatch, LlamaCppSequences
 from smc_sd.backends.pass_cost import PassCost
 
@@ -164,16 +164,13 @@ class LlamaCppLanguageModel(LanguageModel):
 
     @classmethod
     def default(cls, weight_format: str = DEFAULT_FORMAT, **options) -> LlamaCppLanguageModel:
-        """The embedded default model, SmolLM2-135M-Instruct, from the shipped GGUF (Q4_1) or, for
-        another `weight_format`, llama.cpp's cached copy of it (`llama_formats.format_copy`; the
-        default, DEFAULT_FORMAT, is chosen by measured pass costs), with the tokenizer the
-        shipped file holds (the hf backend's token ids)."""
+        """The embedded default model, SmolLM2-135M-Instruct: the shipped GGUF (Q4_1, DEFAULT_FORMAT)
+        or, for another `weight_format`, llama.cpp's cached copy of it (`llama_formats.format_path`),
+        with the tokenizer the shipped file holds (the hf backend's token ids)."""
         from smc_sd.models.smollm2 import gguf_path
 
-        shipped = gguf_path()
-        path = shipped if weight_format == SHIPPED_FORMAT else format_copy(shipped, weight_format)
-        options.setdefault("tokenizer", gguf_tokenizer(shipped))
-        return cls(path, **options)
+        options.setdefault("tokenizer", gguf_tokenizer(gguf_path()))
+        return cls(format_path(weight_format), **options)
 
     @property
     def vocabulary(self) -> Vocabulary:

@@ -14,7 +14,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 @pytest.fixture(scope="session")
 def llama_lm():
-    """The default target (its DEFAULT_FORMAT copy of the shipped file), one thread, room for 16 rows at once."""
+    """The default target (the shipped Q4_1 file), one thread, room for 16 rows at once."""
     from smc_sd.backends.llama_cpp import LlamaCppLanguageModel
 
     return LlamaCppLanguageModel.default(n_seq_max=16, n_threads=1)

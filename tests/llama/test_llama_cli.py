@@ -14,8 +14,7 @@ import jsonschema
 import pytest
 
 from smc_sd.backends.llama_cpp import default_threads
-from smc_sd.backends.llama_formats import DEFAULT_FORMAT, format_copy
-from smc_sd.models.smollm2 import gguf_path
+from smc_sd.backends.llama_formats import DEFAULT_FORMAT, format_path
 
 pytestmark = [pytest.mark.llama, pytest.mark.model]
 
@@ -50,9 +49,9 @@ def test_smc_sd_with_the_free_draft_fills_a_schema():
     # the particles shared the prompt's cells: fewer cells than four full copies
     assert out["kv_peak_bytes"] < out["kv_naive_bytes"]
     # without --threads: one thread per physical core (at most 8), as llama.cpp reports them;
-    # without --target: the default format's copy of the shipped file
+    # without --target: the default model in the default format
     assert out["threads"] == default_threads()
-    assert out["target_file"] == str(format_copy(gguf_path(), DEFAULT_FORMAT)) and out["weight_format"] == DEFAULT_FORMAT
+    assert out["target_file"] == str(format_path(DEFAULT_FORMAT)) and out["weight_format"] == DEFAULT_FORMAT
 
 
 def test_sd_with_a_requantized_gguf_draft(q8_gguf):
