@@ -25,7 +25,6 @@ import argparse
 import statistics
 import time
 
-import numpy as np
 import torch
 
 from _common import emit, environment, load_default_models
@@ -35,38 +34,16 @@ PROMPT = "Describe a cat."
 
 
 def lipograms(lm):
-    """The four forms of "no letter e" over `lm`'s tokens: (name, what a Target or Program takes)."""
-    from genlm.control.potential import Potential
+    """The four forms of "no letter e" over `lm`'s tokens: the token constraint and the genlm-control
+    byte potential of `benchmarks/lipogram_masks.py`, a soft score and a twist."""
+    from lipogram_masks import lipograms as hard_forms
 
     from smc_sd.constraints.byte_vocabulary import token_bytes
     from smc_sd.constraints.scores import FunctionPotential
-    from smc_sd.constraints.token_constraints import TokenConstraint
 
     spelled = token_bytes(lm)
-
-    class NoE(TokenConstraint):
-        def __init__(self):
-            # [V] bool: tokens whose bytes hold no e; special tokens never, EOS always
-            self.allowed = torch.tensor([b is not None and b"e" not in b.lower() for b in spelled])
-            self.allowed[lm.vocabulary.eos_token_id] = True
-
-        def mask(self, prefixes):
-            return self.allowed.expand(len(prefixes), -1)
-
-    class NoEBytes(Potential):
-        def __init__(self):
-            super().__init__(vocabulary=list(range(256)))
-            self.row = np.zeros(257)
-            self.row[[ord("e"), ord("E")]] = -np.inf
-
-        async def prefix(self, context):
-            return float("-inf") if b"e" in bytes(context).lower() else 0.0
-
-        async def complete(self, context):
-            return await self.prefix(context)
-
-        async def logw_next(self, context):
-            return self.make_lazy_weights(self.row)
+    forms = hard_forms(lm)
+    NoE, NoEBytes = forms["token_constraint"], forms["genlm_potential"]
 
     def count_e(tokens):
         return sum((spelled[t] or b"").lower().count(b"e") for t in tokens)
