@@ -2,9 +2,9 @@
 
 One constraint written four ways: a lipogram, no letter "e" in the output.
 - token_constraint: a `TokenConstraint` whose mask is one precomputed [V] row;
-- genlm_potential: a genlm-control `Potential` over bytes with a vectorised `logw_next`, through
-  the generic byte path (`BytePotentialConstraint`: one `logw_next` per live node of the
-  vocabulary's byte trie, for every new prefix);
+- genlm_potential: a genlm-control `Potential` over bytes with a `batch_prefix`, through the
+  generic byte path (`BytePotentialConstraint`: every token's `prefix` for a new prefix in one
+  `batch_prefix` call);
 - block_potential: the soft version, log phi = -2 per "e", as a `FunctionPotential` scored once
   per particle per block;
 - twist: the same score as a twist, which steers resampling and leaves the target unchanged.
@@ -43,7 +43,7 @@ def lipograms(lm):
 
     spelled = token_bytes(lm)
     forms = hard_forms(lm)
-    NoE, NoEBytes = forms["token_constraint"], forms["genlm_potential"]
+    NoE, NoEBytes = forms["token_constraint"], forms["genlm_potential_batched"]
 
     def count_e(tokens):
         return sum((spelled[t] or b"").lower().count(b"e") for t in tokens)
