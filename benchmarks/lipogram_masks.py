@@ -139,13 +139,18 @@ def program_costs(target, draft, forms: dict, particles: int, draft_len: int, ma
     return rows
 
 
-def main(argv=None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--label", default="", help="a name for this tree (before, after), kept in the JSON and the file name")
+def program_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """The options of the lipogram's program runs (this script's and `potential_paths.py`'s)."""
     parser.add_argument("--particles", type=int, default=4)
     parser.add_argument("--draft-len", type=int, default=3)
     parser.add_argument("--max-tokens", type=int, default=24)
     parser.add_argument("--no-write", action="store_true")
+    return parser
+
+
+def main(argv=None) -> dict:
+    parser = program_arguments(argparse.ArgumentParser(description=__doc__.splitlines()[0]))
+    parser.add_argument("--label", default="", help="a name for this tree (before, after), kept in the JSON and the file name")
     args = parser.parse_args(argv)
 
     target, draft = load_default_models()

@@ -121,12 +121,9 @@ def program_costs(target, draft, particles: int, draft_len: int, max_tokens: int
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--particles", type=int, default=4)
-    parser.add_argument("--draft-len", type=int, default=3)
-    parser.add_argument("--max-tokens", type=int, default=24)
-    parser.add_argument("--no-write", action="store_true")
-    args = parser.parse_args(argv)
+    from lipogram_masks import program_arguments
+
+    args = program_arguments(argparse.ArgumentParser(description=__doc__.splitlines()[0])).parse_args(argv)
     target, draft = load_default_models()
     data = {
         "environment": environment(),
