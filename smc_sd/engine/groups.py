@@ -255,8 +255,8 @@ class ImportanceGroup(Group):
         Args:
             target_logits: [A, K + 1, V] float32, the target's logits over this group's rows.
 
-        Raises:
-            AllParticlesDiedError: when every weight reaches zero.
+        The cycle's resampling, and the error when every weight is zero, come after it with
+        every SMC-SD request's (`end_cycle`, `record_cycle`).
         """
         plan, table, slots = self.plan, self.table, self.slots
         state = table.particles(slots, self.generated)

@@ -36,6 +36,7 @@ import torch
 from smc_sd.engine.keyed_random import BONUS, RESAMPLE, counter, keyed_uniform
 from smc_sd.engine.resampling import resample_rows
 from smc_sd.engine.sampling import gather_last, logsumexp_floored, tempered_logprobs_rows, tokens_from_uniforms
+from smc_sd.engine.smc import block_mask
 
 
 def verify_importance_rows(groups: list, table, packed: torch.Tensor, starts: torch.Tensor, blocks: list, bonus_masks: list) -> list[int]:
@@ -108,9 +109,8 @@ def verify_importance_rows(groups: list, table, packed: torch.Tensor, starts: to
 
 def advance_rows(groups: list, table, slots: torch.Tensor, request: torch.Tensor, active: torch.Tensor, block: torch.Tensor, increments: torch.Tensor, eos: int) -> None:
     """Append each unfinished particle's block at its request's column and add the columns that
-    count to its log weight (`smc_sd.engine.smc.advance` for many requests at once): a column
-    counts when the particle was unfinished, no EOS came earlier in its block, and it lies
-    within its request's remaining budget; the tokens kept are the first min(K + 1, budget),
+    count to its log weight (`smc_sd.engine.smc.advance` for many requests at once): the columns
+    of `block_mask`, with each request's own remaining budget; the tokens kept are the first min(K + 1, budget),
     EOS filler on finished particles.
 
     Args:
@@ -125,11 +125,9 @@ def advance_rows(groups: list, table, slots: torch.Tensor, request: torch.Tensor
     full_block[active] = block
     full_increments = torch.zeros(slots.numel(), width, dtype=torch.float64)
     full_increments[active] = increments
-    is_eos = (full_block == eos).long()
+    keep = block_mask(full_block, ~active, eos, budget)
     columns = torch.arange(width)
     within = columns[None, :] < budget[:, None]
-    # an EOS strictly before this column
-    keep = active[:, None] & ((torch.cumsum(is_eos, 1) - is_eos) == 0) & within
     finished = ~active | ((full_block == eos) & keep).any(1)
     table.finished[slots] = finished
     # particles that finished drop their rows

@@ -216,7 +216,8 @@ def block_mask(block: torch.Tensor, finished: torch.Tensor, eos: int, budget: in
     Args:
         block: [N, K + 1] int64 drafted tokens then the bonus token.
         finished: [N] bool, particles that ended before this cycle.
-        budget: tokens each particle may still generate.
+        budget: tokens each particle may still generate: an int for all, or [N] int64 each
+            its own.
 
     Returns:
         [N, K + 1] bool.
@@ -225,7 +226,7 @@ def block_mask(block: torch.Tensor, finished: torch.Tensor, eos: int, budget: in
     # an EOS strictly before this column
     eos_before = (torch.cumsum(is_eos, 1) - is_eos) > 0
     columns = torch.arange(block.shape[1])
-    return (~finished)[:, None] & ~eos_before & (columns < budget)[None, :]
+    return (~finished)[:, None] & ~eos_before & (columns[None, :] < torch.as_tensor(budget).reshape(-1, 1))
 
 
 def complete_at_budget(plan, tokens: torch.Tensor, finished: torch.Tensor, logw: torch.Tensor, log_phi: torch.Tensor, eos: int) -> torch.Tensor:
