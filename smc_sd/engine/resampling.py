@@ -30,11 +30,25 @@ def normalised_weights(logw: torch.Tensor) -> torch.Tensor:
 
 
 def effective_sample_size(logw: torch.Tensor) -> float:
-    """ESS = 1 / sum_i w̄_i², in [1, N]; 0.0 when every weight is zero."""
-    if not torch.isfinite(logw).any():
-        return 0.0
-    w = normalised_weights(logw)
-    return float(1.0 / (w * w).sum())
+    """ESS = 1 / sum_i w̄_i², in [1, N]; 0.0 when every weight is zero (`ess_rows` of one
+    population)."""
+    return float(ess_rows(logw.double()[None])[0][0])
+
+
+def ess_rows(logw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per row g: ESS_g = 1 / sum_i w̄_{g,i}², w̄_g = exp(logw_g - logsumexp(logw_g)).
+
+    Args:
+        logw: [G, N] float64 log weights.
+
+    Returns:
+        ess [G] float64 (0.0 for a row whose every weight is zero), log_total [G] float64
+        (logsumexp of each row, -inf for such a row), w̄ [G, N] float64 (all 0 in such a row).
+    """
+    log_total = torch.logsumexp(logw, -1)
+    alive = torch.isfinite(log_total)
+    w = torch.exp(logw - torch.where(alive, log_total, 0.0)[:, None])
+    return torch.where(alive, 1.0 / (w * w).sum(-1), 0.0), log_total, w
 
 
 def inverse_cdf_rows(w: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
@@ -160,12 +174,8 @@ def resample_rows(logw: torch.Tensor, thresholds: list[float], schemes: list[str
     for scheme in set(schemes):
         check_resampler(scheme)
     g, n = logw.shape
-    # [G]: log of each population's total weight, -inf for a dead one
-    log_total = torch.logsumexp(logw, -1)
-    alive = torch.isfinite(log_total)
-    # [G, N]: normalised weights (all 0 in a dead row)
-    w = torch.exp(logw - torch.where(alive, log_total, 0.0)[:, None])
-    ess = torch.where(alive, 1.0 / (w * w).sum(-1), 0.0)
+    # [G], [G], [G, N]: each population's ESS, log total weight and normalised weights
+    ess, log_total, w = ess_rows(logw)
     tau = torch.tensor(thresholds, dtype=torch.float64, device=logw.device)
     resampled = (ess > 0) & (ess < tau * n * (1 - ESS_TIE))
     columns = torch.arange(n, dtype=torch.float64, device=logw.device)
