@@ -9,7 +9,7 @@ import torch
 from smc_sd import AllParticlesDiedError
 from smc_sd.backends.toy import ToyLM
 from smc_sd.engine.sampling import EXP_FLOOR, FLOOR_WEIGHT, exp_floored, logsumexp_floored, sample_tokens, tempered_logprobs
-from smc_sd.engine.speculative import accept_or_resample
+from smc_sd.engine.speculative_step import emit_tokens, first_rejections
 from smc_sd.metrics import empirical, total_variation, tv_tolerance
 from smc_sd.program import Schedule
 from smc_sd.constraints.token_constraints import PredicateConstraint
@@ -18,24 +18,28 @@ from smc_sd.testing import assert_logits_valid
 from tests.toy_programs import PROMPT, sample_completions, target_and_draft
 
 
-def test_rejection_with_a_residual_of_no_float32_mass_draws_from_p(monkeypatch):
+def accept_or_resample(drafted: torch.Tensor, logq: torch.Tensor, logp: torch.Tensor, u_accept: torch.Tensor, u_emit: float) -> tuple[int, int]:
+    """The step's rule for one sequence, from the library's pieces: the first rejection among
+    the K drafted tokens, then the emitted token (residual or bonus)."""
+    k = drafted.numel()
+    log_ratio = (logp[:k].gather(-1, drafted[:, None]) - logq.gather(-1, drafted[:, None])).T
+    j = int(first_rejections(log_ratio, torch.tensor([k]), u_accept[None])[0])
+    q = exp_floored(logq[j])[None] if j < k else torch.zeros(1, logp.shape[-1])
+    return j, int(emit_tokens(logp[j][None], q, torch.tensor([u_emit], dtype=torch.float64))[0])
+
+
+def test_rejection_with_a_residual_of_no_float32_mass_draws_from_p():
     # p and q agree to rounding: max(0, p - q) is all zero in float32 although p(0) < q(0)
     logp = tempered_logprobs(torch.tensor([-0.7228844165802002, 2.866340160369873, -0.5655086040496826]), 1.0)
     logq = tempered_logprobs(torch.tensor([-0.7228842377662659, 2.866340160369873, -0.5655086040496826]), 1.0)
     assert torch.clamp(logp.exp() - logq.exp(), min=0).sum() == 0 and logp[0] < logq[0]
-    # acceptance uniforms (torch.rand(k, ...)) at the top of [0, 1) force the (rare) rejection of
-    # the drafted token 0; the token draws (torch.rand(shape, ...)) stay random
-    real_rand = torch.rand
-
-    def rand(size, **kw):
-        return torch.full((size,), 1 - 1e-8, dtype=torch.float64) if isinstance(size, int) else real_rand(size, **kw)
-
-    monkeypatch.setattr(torch, "rand", rand)
+    # an acceptance uniform at the top of [0, 1) forces the (rare) rejection of the drafted
+    # token 0; the token draws stay random
     generator = torch.Generator().manual_seed(0)
     n = 4000
     emitted = []
-    for _ in range(n):
-        accepted, token = accept_or_resample(torch.tensor([0]), logq[None], torch.stack([logp, logp]), generator)
+    for u in torch.rand(n, generator=generator, dtype=torch.float64).tolist():
+        accepted, token = accept_or_resample(torch.tensor([0]), logq[None], torch.stack([logp, logp]), torch.tensor([1 - 1e-8], dtype=torch.float64), u)
         assert accepted == 0
         emitted.append(token)
     exact = dict(enumerate(logp.exp().tolist()))
@@ -159,7 +163,8 @@ def test_sd_at_temperature_zero_accepts_a_draft_iff_it_is_the_argmax():
         logq = tempered_logprobs(torch.randn(3, 5, generator=generator), 1.0)
         drafted = torch.where(torch.rand(3, generator=generator) < 0.6, logits[:3].argmax(-1), torch.randint(5, (3,), generator=generator))
         hits = (drafted == logits[:3].argmax(-1)).tolist() + [False]
-        accepted, token = accept_or_resample(drafted, logq, logp, generator)
+        u = torch.rand(4, generator=generator, dtype=torch.float64)
+        accepted, token = accept_or_resample(drafted, logq, logp, u[:3], float(u[3]))
         assert accepted == hits.index(False)
         assert token == int(logits[accepted].argmax())
 

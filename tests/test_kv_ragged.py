@@ -48,7 +48,8 @@ def check(manager, store, tables, reference):
     assert [manager.pool.count(b) for b in range(manager.pool.capacity)] == listings.tolist()
     # all rows of the only table hold the pool's live blocks, each once; full copies at least that
     if len(tables) == 1 and tables[0].batch_size:
-        held = manager.rows_memory(tables[0], torch.arange(tables[0].batch_size))
+        rows = torch.arange(tables[0].batch_size)
+        held, = manager.rows_memory(tables[0], rows, torch.zeros_like(rows), 1)
         assert held["live_bytes"] == manager.pool.live * manager.bytes_per_block <= held["naive_bytes"] + manager.bytes_per_block * tables[0].batch_size
 
 

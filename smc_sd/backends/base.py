@@ -178,13 +178,17 @@ class Sequences(abc.ABC):
         or None for a backend that keeps no KV cache."""
         return None
 
-    def rows_memory(self, rows: torch.Tensor) -> dict | None:
-        """The KV bytes some rows hold now: `live_bytes` (storage they use, counted once where
-        they share it) and `naive_bytes` (what a full copy per row would take); None for a
-        backend that cannot tell one row's KV from another's.
+    def rows_memory(self, rows: torch.Tensor, owners: torch.Tensor, count: int) -> list[dict] | None:
+        """The KV bytes each of `count` owners' rows hold now: `live_bytes` (storage they use,
+        counted once where they share it) and `naive_bytes` (what a full copy per row would
+        take); None for a backend that cannot tell one row's KV from another's.
 
         Args:
-            rows: [R] int64 row indices.
+            rows: [R] int64 distinct row indices.
+            owners: [R] int64 in [0, count): whose each row is.
+
+        Returns:
+            one dict per owner.
         """
         return None
 

@@ -341,10 +341,11 @@ class HFSequences(Sequences):
         live = 0 if self._cache is None else self._batch_size * self._length * self._bytes_per_position
         return {"live_bytes": live, "peak_bytes": self._peak_bytes, "naive_peak_bytes": self._peak_bytes}
 
-    def rows_memory(self, rows: torch.Tensor) -> dict:
-        """Each row is a full copy: rows · length positions."""
-        held = rows.numel() * self._length * self._bytes_per_position
-        return {"live_bytes": held, "naive_bytes": held}
+    def rows_memory(self, rows: torch.Tensor, owners: torch.Tensor, count: int) -> list[dict]:
+        """Each row is a full copy: an owner's rows · length positions."""
+        per_row = self._length * self._bytes_per_position
+        held = [n * per_row for n in torch.bincount(owners, minlength=count).tolist()]
+        return [{"live_bytes": h, "naive_bytes": h} for h in held]
 
     def _record_peak(self) -> None:
         self._peak_bytes = max(self._peak_bytes, self._batch_size * self._length * self._bytes_per_position)

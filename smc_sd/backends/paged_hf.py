@@ -282,9 +282,10 @@ class PagedHFSequences(Sequences):
         """The pool's statistics as seen by these rows (`KVCacheManager.memory`)."""
         return self._kv.manager.memory(self._table)
 
-    def rows_memory(self, rows: torch.Tensor) -> dict:
-        """The bytes of the blocks these rows hold, each counted once (`KVCacheManager.rows_memory`)."""
-        return self._kv.manager.rows_memory(self._table, rows)
+    def rows_memory(self, rows: torch.Tensor, owners: torch.Tensor, count: int) -> list[dict]:
+        """The bytes of the blocks each owner's rows hold, each counted once per owner
+        (`KVCacheManager.rows_memory`)."""
+        return self._kv.manager.rows_memory(self._table, rows, owners, count)
 
     def check_invariants(self) -> None:
         self._kv.manager.check_invariants(self._table)

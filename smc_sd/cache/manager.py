@@ -279,24 +279,34 @@ class KVCacheManager:
         Call after the appended KV is written (the shared block's KV equals the row's own).
         """
         bs, batch = self.block_size, table.batch_size
-        first = (torch.as_tensor(start, dtype=torch.int64).expand(batch) // bs).tolist()
-        full = (table.lengths // bs).tolist()
-        for j in range(min(first, default=0), max(full, default=0)):
-            for b in range(batch):
-                if not first[b] <= j < full[b]:
-                    continue
-                block = int(table.blocks[b, j])
-                if block in self.trie:
-                    continue
-                parent = int(table.blocks[b, j - 1]) if j else ROOT
-                key = tuple(table.tokens[b, j * bs : (j + 1) * bs].tolist())
-                twin = self.trie.lookup(parent, key)
-                if twin is None:
-                    self.trie.insert(block, parent, key)
-                    continue
-                self.pool.share(torch.tensor([twin]))
-                self._release(torch.tensor([block]))
-                table.blocks[b, j] = twin
+        first = torch.as_tensor(start, dtype=torch.int64).expand(batch) // bs
+        columns = torch.arange(table.blocks.shape[1])
+        # [B, W]: the blocks that became full; their (column, row) pairs, column after column
+        fresh = (columns[None, :] >= first[:, None]) & (columns[None, :] < (table.lengths // bs)[:, None])
+        at_column, at_row = fresh.T.nonzero(as_tuple=True)
+        # read once: each fresh block, its parent and its tokens
+        blocks = table.blocks[at_row, at_column].tolist()
+        parents = torch.where(at_column > 0, table.blocks[at_row, (at_column - 1).clamp(min=0)], ROOT).tolist()
+        keys = table.tokens[at_row[:, None], at_column[:, None] * bs + torch.arange(bs)].tolist()
+        # blocks replaced by an equal indexed twin: (row, column) -> twin
+        twins: dict[tuple[int, int], int] = {}
+        dropped = []
+        for b, j, block, parent, key in zip(at_row.tolist(), at_column.tolist(), blocks, parents, keys):
+            if block in self.trie:
+                continue
+            parent = twins.get((b, j - 1), parent)
+            twin = self.trie.lookup(parent, tuple(key))
+            if twin is None:
+                self.trie.insert(block, parent, tuple(key))
+                continue
+            twins[(b, j)] = twin
+            dropped.append(block)
+        if twins:
+            # share first: a twin must not touch 0 in between
+            self.pool.share(torch.tensor(list(twins.values())))
+            self._release(torch.tensor(dropped))
+            rows, cols = zip(*twins)
+            table.blocks[torch.tensor(rows), torch.tensor(cols)] = torch.tensor(list(twins.values()))
         self._record_peak(table)
 
     def slots(self, table: BlockTables, start: int = 0, stop: int | None = None) -> torch.Tensor:
@@ -388,13 +398,24 @@ class KVCacheManager:
             "naive_peak_bytes": table.naive_peak_tokens * self.bytes_per_block // self.block_size,
         }
 
-    def rows_memory(self, table: BlockTables, rows: torch.Tensor) -> dict:
-        """The bytes some rows ([R] int64) hold: their distinct blocks (`live_bytes`) and their
-        positions as full copies (`naive_bytes`)."""
+    def rows_memory(self, table: BlockTables, rows: torch.Tensor, owners: torch.Tensor, count: int) -> list[dict]:
+        """The bytes each owner's rows hold: their distinct blocks (`live_bytes`) and their
+        positions as full copies (`naive_bytes`), for all owners in one pass.
+
+        Args:
+            rows: [R] int64 rows of `table`; owners: [R] int64 in [0, count), whose each is.
+
+        Returns:
+            one dict per owner.
+        """
         blocks = table.blocks[rows]
-        distinct = torch.unique(blocks[blocks != PAD]).numel()
-        positions = int(table.lengths[rows].sum())
-        return {"live_bytes": distinct * self.bytes_per_block, "naive_bytes": positions * self.bytes_per_block // self.block_size}
+        held = blocks != PAD
+        # distinct (owner, block) pairs, as owner · P + block
+        capacity = self.pool.capacity
+        pairs = torch.unique(owners[:, None].expand_as(blocks)[held] * capacity + blocks[held])
+        distinct = torch.bincount(pairs // capacity, minlength=count).tolist()
+        positions = torch.zeros(count, dtype=torch.int64).index_add_(0, owners, table.lengths[rows]).tolist()
+        return [{"live_bytes": d * self.bytes_per_block, "naive_bytes": p * self.bytes_per_block // self.block_size} for d, p in zip(distinct, positions)]
 
     def check_invariants(self, *tables: BlockTables) -> None:
         """Raise AssertionError if an invariant of the pool, the trie or the given open tables fails."""

@@ -11,15 +11,21 @@ free slots of the `SlotTable`. One cycle (`step`):
    (block pointers, not KV), every row rolled back to its canonical length;
 3. each draft model reads the last two tokens of every prefix of its rows, then proposes in
    K_max passes of [B_d, 1] tokens, K_max the largest K among the requests drafting with it;
-   request g's rows read and draw in the first K_g of them (`Sequences.extend_rows`: a row
-   reads its own count of tokens, 0 for none);
+   request g's rows read and draw in the first K_g of them (`draft_passes`; the unconstrained
+   SMC-SD requests of one draft length draw together, `step_rows.StepRows`);
 4. the target reads [last token, block] of every row in ONE pass, each row its own count; a
-   block is K drafted tokens, or a free draft's proposal (`Group.target_feed`: rows read
-   blocks of different lengths and keep what their verification accepted), and the pass's
-   logits come packed row after row (`rows.row_logits` gives each request its slice);
-5. each request verifies its slice of the logits with its own generator (`Group.verify`):
-   weights, ESS, resampling among its own particles and log Z_hat, or accept/reject; requests
-   that are done deliver their Result and leave, freeing their slots.
+   block is K drafted tokens, or a free draft's proposal (rows read blocks of different
+   lengths and keep what their verification accepted), and the pass's logits come packed row
+   after row;
+5. verification runs per kind of request, each kind in one fixed sequence of tensor
+   operations over all its rows, whatever their number: SMC-SD with a draft LM or none
+   (`importance_step`), accept/reject for sd and mask-at-verify (`speculative_step`), SMC-SD
+   with a free draft (`smc_free.extend_free_rows`); then ESS, resampling and log Z_hat for
+   every SMC-SD request at once (`resample_groups`). Draws use uniforms keyed by request
+   seed, cycle, particle and position (`keyed_random`). What stays per request: constraint
+   masks, free-draft proposals, stop strings, block-end potentials and twists (those requests
+   verify their own rows, `Group.verify`). Requests that are done deliver their Result and
+   leave, freeing their slots.
 
 Row invariant between cycles: the target's rows are, request after request in running order,
 its seated particles (`Group.seats`: its unfinished ones in particle order; under a free draft,
@@ -51,13 +57,18 @@ from typing import Callable
 import torch
 
 from smc_sd.backends.base import LanguageModel, check_same_vocabulary
+from smc_sd.engine.draft_passes import DraftUnit, draft_passes
 from smc_sd.engine.free_groups import FreeImportanceGroup
-from smc_sd.engine.groups import Group, ImportanceGroup, SpeculativeGroup
+from smc_sd.engine.groups import Group, ImportanceGroup
 from smc_sd.engine.importance_step import resample_groups, verify_importance_rows
 from smc_sd.engine.requests import Event, Handle, QueueFullError, Request
 from smc_sd.engine.result import CycleStats, Result, kv_memory
-from smc_sd.engine.rows import RowSet, join_groups, reseat_groups, row_logits
+from smc_sd.engine.rows import RowSet, join_groups, note_kv, reseat_groups, row_logits
 from smc_sd.engine.slots import SlotTable
+from smc_sd.engine.smc_free import extend_free_rows, free_feed
+from smc_sd.engine.speculative_group import SpeculativeGroup
+from smc_sd.engine.speculative_step import speculative_feed, verify_speculative_rows
+from smc_sd.engine.step_rows import StepRows, joint_steps
 
 __all__ = ["BatchEngine", "Event", "Handle", "QueueFullError", "Request", "RowsOfOneLengthError"]
 
@@ -335,46 +346,70 @@ class BatchEngine:
                 self._leave(entry, None, RowsOfOneLengthError(ONE_LENGTH_REFUSAL))
                 continue
             if self._attempt(entry, entry.group.begin, logits, *bases):
-                g = entry.group
-                self._note_kv([g], [True], [self.table.target_row[g.seats()[1]]], [self.table.draft_row[g.live()] if g.has_draft else None])
+                note_kv(self.table, self.target_rows, self.draft_sets, [entry.group])
                 self._finish_or_report(entry)
         return True
 
     def _cycle(self) -> None:
-        """Draft passes, one target pass, and every request's verification."""
+        """Draft passes, one target pass, and every request's verification.
+
+        Four kinds of request share the cycle: the SMC-SD requests the batched step verifies
+        (`ImportanceGroup.verifies_in_step`) that are unconstrained, gathered per draft model
+        and draft length into `StepRows` that draft, feed and verify all their rows at once;
+        the accept/reject requests (`SpeculativeGroup`), verified together in one
+        `verify_speculative_rows`; the SMC-SD requests whose free draft proposes this cycle,
+        extended together in one `extend_free_rows`; and the rest, each preparing, drafting,
+        feeding and verifying its own rows (a constrained step request joins a step for its
+        verification)."""
         entries = list(self._running)
-        eos = self.target.vocabulary.eos_token_id
         groups = [e.group for e in entries]
-        # [A_g] rows of every request, read before anything moves them
-        target_rows = [self.table.target_row[g.seats()[1]] for g in groups]
-        draft_rows = [self.table.draft_row[g.live()] if g.has_draft else None for g in groups]
-        healthy = [self._attempt(e, g.prepare) for e, g in zip(entries, groups)]
+        vocab = self.target.vocabulary.size
+        stepped = [g.plan.verification == "importance" and g.verifies_in_step for g in groups]
+        joint = [s and g.plan.masker is None for s, g in zip(stepped, groups)]
+        speculative = [isinstance(g, SpeculativeGroup) for g in groups]
+        healthy = [joint[i] or self._attempt(entries[i], groups[i].prepare) for i in range(len(groups))]
+        free = [healthy[i] and isinstance(g, FreeImportanceGroup) and not g.lm_cycle for i, g in enumerate(groups)]
+        own = [i for i in range(len(groups)) if not (joint[i] or speculative[i] or free[i])]
+        # [A_g] rows of each request on its own
+        target_rows = {i: self.table.target_row[groups[i].seats()[1]] for i in own if healthy[i]}
+        steps = joint_steps([g for g, j in zip(groups, joint) if j], self.table)
         for rows in self.draft_sets:
-            uses = [g.has_draft and g.plan.draft is rows.lm and g.draft_len > 0 for g in groups]
-            self._draft_passes(rows, entries, [r if use else None for r, use in zip(draft_rows, uses)], healthy)
-        widths = [g.target_width() if ok else 1 for g, ok in zip(groups, healthy)]
-        width = max(widths)
-        # [B_t, width]: last token, drafted block, EOS filler; [B_t]: the tokens each row reads
-        # (none on failed requests' rows)
-        feed = torch.full((self.target_rows.size, width), eos, dtype=torch.int64)
-        counts = torch.zeros(self.target_rows.size, dtype=torch.int64)
-        for g, ok, rows in zip(groups, healthy, target_rows):
-            if ok:
-                tokens, read = g.target_feed()
-                feed[rows, : tokens.shape[1]] = tokens
-                counts[rows] = read
-        # [sum(counts), V]: ONE target pass over every request's rows, each reading its own
-        # count, packed row after row; [B_t + 1]: where each row's logits start
-        logits = self.target_rows.extend(feed, counts)
-        starts = torch.cat([torch.zeros(1, dtype=torch.int64), counts.cumsum(0)])
-        self._totals["target_passes_total"] += 1
-        self._note_kv(groups, healthy, target_rows, draft_rows)
-        stepped = [ok and g.plan.verification == "importance" and g.verifies_in_step for g, ok in zip(groups, healthy)]
-        for i, (e, g, rows) in enumerate(zip(entries, groups, target_rows)):
-            if healthy[i] and not stepped[i]:
-                healthy[i] = self._attempt(e, g.verify, row_logits(logits, starts, rows, widths[i]))
-        for k in sorted({g.draft_len for g, step in zip(groups, stepped) if step}):
-            self._verify_in_step([i for i, g in enumerate(groups) if stepped[i] and g.draft_len == k], entries, healthy, logits, starts)
+            units = [DraftUnit(step.rows_of(self.table.draft_row), step.draft_len, step.draft_feed, step.drafter.draw) for step in steps if step.drafter is not None and step.groups[0].plan.draft is rows.lm]
+            for i, g in enumerate(groups):
+                if healthy[i] and not joint[i] and g.has_draft and g.plan.draft is rows.lm:
+                    units.append(DraftUnit(self.table.draft_row[g.live()], g.draft_len, g.draft_feed, g.draw, lambda error, e=entries[i]: self._leave(e, None, error)))
+            draft_passes(rows, units, self.target.vocabulary.eos_token_id)
+        healthy = [ok and e.group is not None for ok, e in zip(healthy, entries)]
+        step_blocks = [step.block(vocab) for step in steps]
+        pieces = [(step.rows_of(self.table.target_row), *step.target_feed(block)) for step, block in zip(steps, step_blocks)]
+        widths = {i: groups[i].target_width() for i in own if healthy[i]}
+        pieces += [(target_rows[i], *groups[i].target_feed()) for i in widths]
+        proposals = {}
+        for i in range(len(groups)):
+            if speculative[i] and healthy[i]:
+                healthy[i] = self._attempt(entries[i], lambda g=groups[i], i=i: proposals.__setitem__(i, g.proposal(vocab)))
+        proposals = {i: b for i, b in proposals.items() if healthy[i]}
+        if proposals:
+            pieces.append(speculative_feed([groups[i] for i in proposals], self.table, list(proposals.values())))
+        extending = [i for i in range(len(groups)) if free[i]]
+        if extending:
+            pieces.append(free_feed([groups[i] for i in extending], self.table))
+        logits, starts = self._target_pass(pieces)
+        note_kv(self.table, self.target_rows, self.draft_sets, [g for g, ok in zip(groups, healthy) if ok])
+        for i in widths:
+            if not stepped[i]:
+                healthy[i] = self._attempt(entries[i], groups[i].verify, row_logits(logits, starts, target_rows[i], widths[i]))
+        for step, block in zip(steps, step_blocks):
+            for g, count in zip(step.groups, verify_importance_rows(step, logits, starts, block, None)):
+                g.end_verify(count)
+        self._verify_constrained([i for i in widths if stepped[i] and healthy[i]], entries, healthy, logits, starts)
+        if proposals:
+            verdicts = verify_speculative_rows([groups[i] for i in proposals], self.table, logits, starts, list(proposals.values()))
+            for (i, block), verdict in zip(proposals.items(), verdicts):
+                healthy[i] = self._attempt(entries[i], groups[i].conclude, block, verdict)
+        if extending:
+            for i, extension in zip(extending, extend_free_rows([groups[i] for i in extending], self.table, logits, starts)):
+                healthy[i] = self._attempt(entries[i], groups[i].conclude_free, *extension)
         self._resample([i for i, g in enumerate(groups) if healthy[i] and g.pending_stats is not None], entries, healthy)
         for i, (e, g) in enumerate(zip(entries, groups)):
             if healthy[i] and e.on_cycle is not None:
@@ -383,22 +418,42 @@ class BatchEngine:
             if ok:
                 self._finish_or_report(e)
 
-    def _verify_in_step(self, members: list[int], entries: list[_Entry], healthy: list[bool], logits: torch.Tensor, starts: torch.Tensor) -> None:
-        """Verify the SMC-SD requests `members` (indices into `entries`, one draft length) in one
-        batched step (`verify_importance_rows`); each request's masks and accounting stay its
-        own, and what fails there fails that request only."""
-        blocks, masks = {}, {}
+    def _target_pass(self, pieces: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """ONE target pass over every row: pieces of (rows [X] int64, tokens [X, w] int64,
+        counts [X] int64), row x reading its first counts[x] tokens (rows of failed requests
+        read nothing).
+
+        Returns:
+            [sum(counts), V] float32 logits packed row after row, and [B_t + 1] int64: where
+            each row's logits start.
+        """
+        eos = self.target.vocabulary.eos_token_id
+        width = max(tokens.shape[1] for _, tokens, _ in pieces)
+        # [B_t, width]: last token, block, EOS filler; [B_t]: the tokens each row reads
+        feed = torch.full((self.target_rows.size, width), eos, dtype=torch.int64)
+        counts = torch.zeros(self.target_rows.size, dtype=torch.int64)
+        for rows, tokens, read in pieces:
+            feed[rows, : tokens.shape[1]] = tokens
+            counts[rows] = read
+        logits = self.target_rows.extend(feed, counts)
+        self._totals["target_passes_total"] += 1
+        return logits, torch.cat([torch.zeros(1, dtype=torch.int64), counts.cumsum(0)])
+
+    def _verify_constrained(self, members: list[int], entries: list[_Entry], healthy: list[bool], logits: torch.Tensor, starts: torch.Tensor) -> None:
+        """Verify the constrained requests of the batched step (`members`, indices into
+        `entries`): each asks its constraint for its bonus masks (what fails there fails that
+        request only), then those of one draft length verify together."""
+        vocab = logits.shape[-1]
+        masks = {}
         for i in members:
             g = entries[i].group
-            blocks[i] = g.drafter.block(logits.shape[-1])
-            healthy[i] = self._attempt(entries[i], lambda g=g, i=i: masks.__setitem__(i, g.bonus_mask(blocks[i].tokens)))
-        members = [i for i in members if healthy[i]]
-        if not members:
-            return
-        groups = [entries[i].group for i in members]
-        rows = verify_importance_rows(groups, self.table, logits, starts, [blocks[i] for i in members], [masks[i] for i in members])
-        for i, g, count in zip(members, groups, rows):
-            g.end_verify(count)
+            healthy[i] = self._attempt(entries[i], lambda g=g, i=i: masks.__setitem__(i, g.bonus_mask(g.drafter.block(vocab).tokens)))
+        for k in sorted({entries[i].group.draft_len for i in members if healthy[i]}):
+            chosen = [i for i in members if healthy[i] and entries[i].group.draft_len == k]
+            step = StepRows.of([entries[i].group for i in chosen], self.table, joint_drafter=False)
+            counts = verify_importance_rows(step, logits, starts, step.block(vocab), torch.cat([masks[i] for i in chosen]))
+            for g, count in zip(step.groups, counts):
+                g.end_verify(count)
 
     def _resample(self, members: list[int], entries: list[_Entry], healthy: list[bool]) -> None:
         """The end of the cycle of every SMC-SD request `members` (indices into `entries`)
@@ -409,62 +464,6 @@ class BatchEngine:
         outcomes = resample_groups([entries[i].group for i in members], self.table)
         for i, outcome in zip(members, outcomes):
             healthy[i] = self._attempt(entries[i], entries[i].group.record_cycle, outcome)
-
-    def _note_kv(self, groups: list[Group], healthy: list[bool], target_rows: list[torch.Tensor], draft_rows: list[torch.Tensor | None]) -> None:
-        """Each healthy request's KV now, at the widest point of its cycle (`Group.note_kv`):
-        its target rows and its draft's rows."""
-        draft_sets = {id(rows.lm): rows for rows in self.draft_sets}
-        for g, ok, rows, drafts in zip(groups, healthy, target_rows, draft_rows):
-            if ok and g.kv_peak is not None:
-                held = [self.target_rows.rows_memory(rows)]
-                if drafts is not None:
-                    held.append(draft_sets[id(g.plan.draft)].rows_memory(drafts))
-                g.note_kv(held)
-
-    def _draft_passes(self, draft: RowSet, entries: list[_Entry], rows_of: list[torch.Tensor | None], healthy: list[bool]) -> None:
-        """One draft model's passes: its rows read the tokens of their prefixes they have not
-        read (the last two; more for an sd request whose last blocks were its free draft's),
-        then up to K_max passes of [B_d, 1] (K_max the largest K of the requests drafting with
-        it this cycle); request g's rows read and draw in the first K_g of them, other rows
-        read nothing. A request whose draw fails turns unhealthy.
-
-        Args:
-            rows_of: per running request its rows in `draft` ([A] int64), or None when it does
-                not draft with this model.
-        """
-        eos = self.target.vocabulary.eos_token_id
-        groups = [e.group for e in entries]
-        k_max = max((g.draft_len for g, rows in zip(groups, rows_of) if rows is not None), default=0)
-        if not k_max:
-            return
-        feeds = [g.draft_feed() if ok and rows is not None else None for g, ok, rows in zip(groups, healthy, rows_of)]
-        if all(f is None for f in feeds):
-            return
-        width = max(tokens.shape[1] for tokens, _ in filter(None, feeds))
-        # [B_d, width]: the tokens every drafting row has not read (the last two of its prefix,
-        # more after free-draft blocks), then EOS filler; [B_d]: how many each row reads
-        feed = torch.full((draft.size, width), eos, dtype=torch.int64)
-        read = torch.zeros(draft.size, dtype=torch.int64)
-        for f, rows in zip(feeds, rows_of):
-            if f is not None:
-                tokens, counts = f
-                feed[rows, : tokens.shape[1]] = tokens
-                read[rows] = counts
-        for j in range(k_max):
-            if not bool(read.any()):
-                return
-            # [B_d, V]: the draft's logits after each reading row's last token (others: unused)
-            logits = draft.extend(feed, read)[(read.cumsum(0) - 1).clamp(min=0)]
-            feed, read = torch.full((draft.size, 1), eos, dtype=torch.int64), torch.zeros_like(read)
-            for i, (e, g, rows) in enumerate(zip(entries, groups, rows_of)):
-                if healthy[i] and rows is not None and j < g.draft_len:
-                    healthy[i] = self._attempt(e, self._draw, g, logits, rows, feed)
-                    read[rows] = int(healthy[i] and j + 1 < g.draft_len)
-
-    @staticmethod
-    def _draw(group: Group, logits: torch.Tensor, rows: torch.Tensor, feed: torch.Tensor) -> None:
-        """The group's next drafted tokens, drawn from its rows' logits, into the feed [B_d, 1]."""
-        feed[rows, 0] = group.draw(logits[rows])
 
     def _attempt(self, entry: _Entry, call, *args) -> bool:
         """Run a request's own step; a failure fails that request only. Returns success."""

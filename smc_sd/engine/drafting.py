@@ -12,9 +12,10 @@ from dataclasses import dataclass
 
 import torch
 
-from smc_sd.engine.masking import masked_logprobs
-from smc_sd.engine.sampling import sample_tokens, tempered_logprobs
 from smc_sd.constraints.token_constraints import UnsatisfiableConstraintError
+from smc_sd.engine.keyed_random import DRAFT, counter, keyed_uniform
+from smc_sd.engine.masking import masked_logprobs
+from smc_sd.engine.sampling import tempered_logprobs_rows, tokens_from_uniforms
 
 
 @dataclass
@@ -37,25 +38,53 @@ class DraftBlock:
     dead: torch.Tensor | None = None
 
 
+@dataclass(frozen=True)
+class DrawKeys:
+    """What keys each row's draws (`smc_sd.engine.keyed_random`): the uniform of row a's j-th
+    drafted token is keyed_uniform(seed[a], counter(cycle[a], particle[a], j, DRAFT)), so a row
+    draws the same tokens alone or among any others.
+
+    Attributes:
+        seed, cycle, particle: [N] int64: each row's request seed (`key_seed`), the request's
+            cycle and the row's particle index within its request.
+    """
+
+    seed: torch.Tensor
+    cycle: torch.Tensor
+    particle: torch.Tensor
+
+    @staticmethod
+    def of(seed: int, cycle: int, particles: torch.Tensor) -> "DrawKeys":
+        """The keys of one request's rows: its particles [N] int64 at one cycle."""
+        n = particles.numel()
+        return DrawKeys(torch.full((n,), seed, dtype=torch.int64), torch.full((n,), cycle, dtype=torch.int64), particles)
+
+
 class BlockDrafter:
     """One cycle's draft draws for N rows, one position at a time.
 
     `draw` turns the draft's next-token logits into q~ = softmax(logits / T_d) · m / Z_q (the
     constraint mask m of the tokens drafted so far, when there is one), draws a token per row
-    from it and records log q~; the engine batches the draft's forwards over every request and
-    hands each request's drafter its rows' logits.
+    from it with keyed uniforms and records log q~; the engine batches the draft's forwards over
+    every request and hands each drafter its rows' logits. One drafter serves the unconstrained
+    rows of many requests at once (a temperature per row), or one request's constrained rows.
 
     Args:
-        n: N, the rows.
-        temperature: T_d.
-        generator: the run's random generator.
+        temperature: [N] float32, T_d of each row.
+        greedy: whether some row's T_d is 0 (known from the plans without reading the tensor).
+        keys: the rows' `DrawKeys`.
         mask_at: maps the tokens drafted so far, [N, j] int64, to the constraint mask before
             position j + 1 ([N, V] bool) and its dead rows ([N] bool); None when unconstrained.
     """
 
-    def __init__(self, n: int, temperature: float, generator: torch.Generator, mask_at=None):
-        self.n, self.temperature, self.generator, self.mask_at = n, temperature, generator, mask_at
+    def __init__(self, temperature: torch.Tensor, greedy: bool, keys: DrawKeys, mask_at=None):
+        self.n, self.temperature, self.greedy, self.keys, self.mask_at = temperature.numel(), temperature, greedy, keys, mask_at
         self.drafted, self.logq, self.masks, self.dead = [], [], [], []
+
+    @staticmethod
+    def for_request(temperature: float, key: int, cycle: int, particles: torch.Tensor, mask_at=None) -> "BlockDrafter":
+        """The drafter of one request's rows: its particles [N] int64 at one cycle, all at T_d."""
+        return BlockDrafter(torch.full(particles.shape, temperature), temperature == 0, DrawKeys.of(key, cycle, particles), mask_at)
 
     def draw(self, logits: torch.Tensor) -> torch.Tensor:
         """Draw the next drafted token of every row.
@@ -68,16 +97,18 @@ class BlockDrafter:
         """
         if self.mask_at is None:
             # [N, V]: next-token distribution after the last fed token
-            logq_next = tempered_logprobs(logits, self.temperature)
+            logq_next = tempered_logprobs_rows(logits, self.temperature, greedy=self.greedy)
         else:
             # [N, j]: the tokens drafted so far
             so_far = torch.stack(self.drafted, 1) if self.drafted else torch.empty(self.n, 0, dtype=torch.long)
             mask, _ = self.mask_at(so_far)
             # [N, V] q~; rows that are not live have all-one masks, so only live rows can lack mass
-            logq_next, no_mass = masked_logprobs(logits, self.temperature, mask)
+            logq_next, no_mass = masked_logprobs(logits, self.temperature, mask, self.greedy)
             self.masks.append(mask)
             self.dead.append(no_mass)
-        token = sample_tokens(logq_next, self.generator)
+        keys = self.keys
+        u = keyed_uniform(keys.seed, counter(keys.cycle, keys.particle, len(self.drafted), DRAFT))
+        token = tokens_from_uniforms(logq_next, u)
         self.drafted.append(token)
         self.logq.append(logq_next)
         return token

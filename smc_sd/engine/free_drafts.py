@@ -182,22 +182,6 @@ class FreeDrafter:
         }
 
 
-def point_mass_rows(tokens: list[int], vocab_size: int) -> torch.Tensor:
-    """log delta_d: the log-probability rows of a deterministic draft.
-
-    Args:
-        tokens: d_1..d_m.
-        vocab_size: V.
-
-    Returns:
-        [m, V] float32, 0 at d_j in row j and -inf elsewhere.
-    """
-    rows = torch.full((len(tokens), vocab_size), float("-inf"))
-    if tokens:
-        rows[torch.arange(len(tokens)), torch.tensor(tokens)] = 0.0
-    return rows
-
-
 def allowed_prefix(tokens: list[int], masks: torch.Tensor) -> int:
     """How many leading proposed tokens the constraints allow.
 

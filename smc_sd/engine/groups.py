@@ -36,12 +36,12 @@ from dataclasses import replace
 
 import torch
 
-from smc_sd.engine.drafting import BlockDrafter, DraftBlock, block_masks, first_token_mask, trim_at_eos
+from smc_sd.engine.drafting import BlockDrafter, first_token_mask, trim_at_eos
 from smc_sd.engine.free_drafts import FreeDrafter
+from smc_sd.engine.keyed_random import seed_key
 from smc_sd.engine.result import AllParticlesDiedError, CycleStats, Result, mask_stats
 from smc_sd.engine.slots import SlotTable
 from smc_sd.engine.smc import advance, conclude, cycle_masks, first_particles, rescore_block_end, verify_block
-from smc_sd.engine.speculative import empty_block, first_token, free_block, verify_drafts
 
 
 def first_stop(decode, prefix: list[int], new: list[int], stops: tuple[str, ...]) -> int | None:
@@ -70,6 +70,8 @@ class Group:
         self.prompt = list(request.prompt)
         self.eos = plan.target.vocabulary.eos_token_id
         self.generator = torch.Generator().manual_seed(request.seed)
+        #: the request's seed as the key of its keyed draws (`smc_sd.engine.keyed_random`)
+        self.key = seed_key(request.seed)
         # raises before any slot is taken when the constraints admit no string
         self.first_mask = first_token_mask(plan.masker)
         self.slots = table.allocate(plan.particles)
@@ -90,6 +92,11 @@ class Group:
         self.kv_peak: dict | None = {"peak_bytes": 0, "naive_peak_bytes": 0}
         #: an SMC-SD cycle's statistics between its verification and its resampling
         self.pending_stats: dict | None = None
+
+    #: whether the group's seats are its unfinished particles in particle order, each on its own
+    #: row at prompt + generated - 1 tokens (- 2 in its draft's rows): then the engine reseats it
+    #: together with its neighbours (`smc_sd.engine.rows.reseat_groups`)
+    plain_seats = False
 
     @property
     def draft_len(self) -> int:
@@ -129,6 +136,12 @@ class Group:
         """
         live = self.live()
         return live, live, torch.arange(live.numel())
+
+    def seat_lists(self) -> tuple[list[int], list[int], list[int], list[int]]:
+        """`seats` as Python lists, and the length of each seated target row (prompt +
+        generated - 1): what `smc_sd.engine.rows.reseat_groups` merges over many requests."""
+        live, seated, seat_of = self.seats()
+        return live.tolist(), seated.tolist(), seat_of.tolist(), (len(self.prompt) + self.table.length[seated] - 1).tolist()
 
     def target_width(self) -> int:
         """Tokens each of the group's target rows reads this cycle: the last token and the block."""
@@ -211,6 +224,8 @@ class ImportanceGroup(Group):
     """A request of an importance-verified plan (SMC-SD; K = 0: the target proposes), as
     the SMC-SD cycle of `smc_sd.engine.smc` runs it."""
 
+    plain_seats = True
+
     def begin(self, first_logits: torch.Tensor, target_base: int, draft_base: int) -> None:
         """Draw every particle's first token from the prompt's logits [V]; its rows are the
         `target_base` (and `draft_base`) .. + N - 1 rows just joined.
@@ -232,6 +247,7 @@ class ImportanceGroup(Group):
         if self.has_draft:
             self.table.draft_row[self.slots] = torch.where(state.finished, -1, draft_base + rows)
         self.tokens_out += n
+        self.unfinished = int((~state.finished).sum())
         if not torch.isfinite(state.logw).any():
             raise AllParticlesDiedError(
                 "no first token has nonzero probability under the target (and its constraints, if any)",
@@ -240,14 +256,17 @@ class ImportanceGroup(Group):
 
     @property
     def done(self) -> bool:
-        return self.generated >= self.plan.max_tokens or bool(self.table.finished[self.slots].all())
+        """The budget is spent or every particle has finished (`unfinished`, counted at the end
+        of each cycle with every request's, so reading it costs no tensor work)."""
+        return self.generated >= self.plan.max_tokens or self.unfinished == 0
 
     def prepare(self) -> None:
-        """The cycle's masks and draft sampler."""
+        """The cycle's masks and draft sampler (the batched step drafts for unconstrained
+        requests itself, `smc_sd.engine.step_rows`)."""
         state = self.table.particles(self.slots, self.generated)
         active = (~state.finished).nonzero().flatten()
         self.mask_at = cycle_masks(self.plan, state, active)
-        self.drafter = BlockDrafter(active.numel(), self.plan.draft_temperature, self.generator, self.mask_at)
+        self.drafter = BlockDrafter.for_request(self.plan.draft_temperature, self.key, len(self.cycles), active, self.mask_at)
 
     def verify(self, target_logits: torch.Tensor) -> None:
         """Weights, block-end scores, ESS and resampling of one cycle (`smc_sd.engine.smc`).
@@ -308,14 +327,14 @@ class ImportanceGroup(Group):
         (the cycle's other CycleStats fields)."""
         self.pending_stats = stats
 
-    def record_cycle(self, outcome: tuple[float, bool, float]) -> None:
-        """The cycle's CycleStats from its resampling `outcome` (ess, resampled, log_z_step)
-        and the statistics `end_cycle` kept.
+    def record_cycle(self, outcome: tuple) -> None:
+        """The cycle's CycleStats from its resampling `outcome` (ess, resampled, log_z_step,
+        unfinished particles after it, ancestors) and the statistics `end_cycle` kept.
 
         Raises:
             AllParticlesDiedError: when every weight is zero (ESS 0).
         """
-        ess, resampled, log_z_step = outcome
+        ess, resampled, log_z_step, self.unfinished, _ = outcome
         stats, self.pending_stats = self.pending_stats, None
         n = self.plan.particles
         if ess == 0.0:
@@ -357,137 +376,3 @@ class ImportanceGroup(Group):
             if column is not None:
                 stops[a, column] = True
         return stops
-
-
-class SpeculativeGroup(Group):
-    """A request of an accept/reject plan (exact speculative decoding, mask-at-verify): one
-    sequence (`smc_sd.engine.speculative`). With a free draft, a cycle
-    whose free draft proposes verifies that proposal (a point mass); any other cycle drafts K
-    tokens from the draft LM, or with no draft LM verifies nothing (one target token)."""
-
-    def __init__(self, request, plan, table: SlotTable):
-        super().__init__(request, plan, table)
-        self.free_drafter = FreeDrafter.for_plan(plan, self.prompt) if plan.free is not None else None
-        #: the cycle's block when it is not the draft LM's: the free draft's, or an empty one
-        self.fixed_block: DraftBlock | None = None
-        #: tokens of prompt + generated the draft row has read (it reads nothing on a cycle
-        #: whose block is the free draft's, and catches up at the next draft LM cycle)
-        self.draft_read = len(self.prompt)
-        #: leading tokens of the free draft's block that the constraints force
-        self.forced = 0
-
-    def begin(self, first_logits: torch.Tensor, target_base: int, draft_base: int) -> None:
-        """Draw the first token; the sequence's rows are the ones just joined.
-
-        Raises:
-            AllParticlesDiedError: when no first token has nonzero probability.
-        """
-        first = first_token(self.plan, first_logits, self.first_mask, self.generator)
-        if first is None:
-            raise AllParticlesDiedError("no first token has nonzero probability under the target (and its constraints, if any)", self.result(None))
-        self._append([first])
-        self.draft_read = len(self.prompt) - 1
-        self.table.target_row[self.slots] = -1 if self.finished else target_base
-        self.table.draft_row[self.slots] = -1 if self.finished else draft_base
-
-    @property
-    def tokens(self) -> list[int]:
-        return self.table.tokens[self.slots[0], : self.generated].tolist()
-
-    @property
-    def finished(self) -> bool:
-        return bool(self.table.finished[self.slots[0]])
-
-    @property
-    def done(self) -> bool:
-        return self.finished or self.generated >= self.plan.max_tokens
-
-    def prepare(self) -> None:
-        """The cycle's block source and masks: the free draft's proposal where it proposes,
-        else the draft LM's sampler (or an empty block without one)."""
-        plan = self.plan
-        free = free_block(plan, self.free_drafter, self.tokens) if self.free_drafter is not None else None
-        if free is not None:
-            self.fixed_block, self.mask_at, self.forced = free
-            return
-        self.mask_at = None if plan.masker is None else block_masks(plan.masker, [self.tokens], torch.ones(1, dtype=torch.bool), self.eos)
-        self.fixed_block = None if self.has_draft else empty_block(plan.target.vocabulary.size, constrained=self.mask_at is not None)
-        self.drafter = BlockDrafter(1, plan.draft_temperature, self.generator, self.mask_at)
-
-    @property
-    def draft_len(self) -> int:
-        """K this cycle: the draft LM's (it drafts only when no fixed block stands)."""
-        return 0 if self.fixed_block is not None else self.plan.draft_len
-
-    def target_width(self) -> int:
-        return 1 + (self.fixed_block.tokens.shape[1] if self.fixed_block is not None else self.plan.draft_len)
-
-    def draft_feed(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """([1, n] int64, [1]: n): the tokens of prompt + generated the draft row has not read (n >= 2)."""
-        unread = (self.prompt + self.tokens)[self.draft_read :]
-        return torch.tensor([unread]), torch.tensor([len(unread)])
-
-    def draft_lengths(self, seated: torch.Tensor) -> torch.Tensor:
-        """[1] int64: what the draft row holds between cycles: all but the last two tokens, or
-        less after cycles whose blocks were the free draft's."""
-        return torch.tensor([min(self.draft_read, len(self.prompt) + self.generated - 2)])
-
-    def target_feed(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """([1, m + 1] int64, [1]: m + 1): the last token and the cycle's block."""
-        if self.fixed_block is None:
-            return super().target_feed()
-        tokens = torch.cat([self.table.tokens[self.slots[:1], self.generated - 1 : self.generated], self.fixed_block.tokens], 1)
-        return tokens, torch.tensor([tokens.shape[1]])
-
-    def verify(self, target_logits: torch.Tensor) -> None:
-        """The accept/reject step of one cycle (`smc_sd.engine.speculative.verify_drafts`).
-
-        Args:
-            target_logits: [1, m + 1, V] float32, the target's logits over this sequence's row
-                (m the cycle's block length).
-
-        Raises:
-            AllParticlesDiedError: when the constraints leave the sequence no token.
-        """
-        plan = self.plan
-        budget = plan.max_tokens - self.generated
-        draft = self.fixed_block if self.fixed_block is not None else self.drafter.block(target_logits.shape[-1])
-        accepted, emitted, dead = verify_drafts(plan, draft, target_logits[0], self.mask_at, self.generator, budget)
-        if dead:
-            raise AllParticlesDiedError("the constraints left the sequence no token of nonzero probability", self.result(None))
-        proposed = draft.tokens.shape[1]
-        if self.fixed_block is not None and proposed:
-            self.free_drafter.record(proposed, self.forced, accepted)
-        new = trim_at_eos(draft.tokens[0, :accepted].tolist() + [emitted], self.eos)[:budget]
-        self.accepted += accepted
-        self.drafted += proposed
-        self.draft_passes += self.draft_len
-        if self.fixed_block is None and self.has_draft:
-            # the draft read the unread tokens and K - 1 drafts; it keeps all but the last two
-            self.draft_read = len(self.prompt) + self.generated + len(new) - 2
-        self.cycles.append(CycleStats(1.0, False, 0.0, self._append(new), 1, accepted=accepted, proposed=proposed))
-
-    def result(self, kv: dict | None) -> Result:
-        tokens, masker = self.tokens, self.plan.masker
-        complete = masker is None or self.eos in tokens or bool(masker.complete([tokens])[0])
-        # an incomplete string has weight zero, as in `conclude`
-        log_weight = 0.0 if complete else -math.inf
-        return self._result([tokens], [self.finished], torch.full((1,), log_weight, dtype=torch.float64), log_weight, 0, complete, kv)
-
-    def _append(self, new: list[int]) -> int:
-        """Append tokens, cut at the first stop string; finish at EOS or a stop. Returns the
-        number of tokens appended."""
-        slot = int(self.slots[0])
-        column = first_stop(self.plan.target.decode, self.tokens, [t for t in new if t != self.eos], self.request.stop)
-        if column is not None:
-            new = new[: column + 1]
-        start = self.generated
-        self.table.tokens[slot, start : start + len(new)] = torch.tensor(new, dtype=torch.int64)
-        self.generated += len(new)
-        self.table.length[slot] = self.generated
-        self.tokens_out += len(new)
-        self.table.stopped[slot] = column is not None
-        self.table.finished[slot] = column is not None or self.eos in new
-        if self.finished:
-            self.table.target_row[slot] = self.table.draft_row[slot] = -1
-        return len(new)

@@ -27,9 +27,16 @@ MULTIPLIERS = (0x7FEB352D, 0x846CA68B)
 #: position) draw independent numbers
 BONUS = 1
 RESAMPLE = 2
+DRAFT = 3
+ACCEPT = 4
 
 #: bits of each field of a counter, most significant first: cycle, particle, position, stream
 COUNTER_BITS = (23, 20, 12, 8)
+
+
+def seed_key(seed: int) -> int:
+    """A request's seed as a key word (in [0, 2^63))."""
+    return seed % (1 << 63)
 
 
 def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:

@@ -13,10 +13,10 @@ from __future__ import annotations
 
 import torch
 
-from smc_sd.engine.sampling import tempered_logprobs
+from smc_sd.engine.sampling import tempered_logprobs_rows
 
 
-def masked_logprobs(logits: torch.Tensor, temperature: float, mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+def masked_logprobs(logits: torch.Tensor, temperature: torch.Tensor, mask: torch.Tensor | None, greedy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
     """log q~ = log q + log m - log Z_q row by row, q = softmax(logits / T), and the rows where Z_q = 0.
 
     The mask is applied before the temperature, so at T = 0 q~ is the point mass on the allowed
@@ -28,19 +28,20 @@ def masked_logprobs(logits: torch.Tensor, temperature: float, mask: torch.Tensor
 
     Args:
         logits: [N, V] float32 raw logits.
-        temperature: T >= 0.
+        temperature: [N] float32, T_n >= 0 of each row.
         mask: [N, V] bool or None.
+        greedy: whether some T_n is 0 (known to the caller without reading the tensor).
 
     Returns:
         ([N, V] float32 log q~, [N] bool rows with Z_q = 0), or (log q, None) when mask is None.
     """
     if mask is None:
-        return tempered_logprobs(logits, temperature), None
-    masked = tempered_logprobs(logits, temperature, mask)
+        return tempered_logprobs_rows(logits, temperature, greedy=greedy), None
+    masked = tempered_logprobs_rows(logits, temperature, mask, greedy)
     # a row without a finite entry has Z_q = 0 (logits hold no NaN or +inf)
     empty = masked.amax(-1) == float("-inf")
     renormalised = torch.log_softmax(masked, -1)
     if bool(empty.any()):
         # log_softmax of an all -inf row is NaN: such rows stay unmasked
-        renormalised[empty] = tempered_logprobs(logits[empty], temperature)
+        renormalised[empty] = tempered_logprobs_rows(logits[empty], temperature[empty], greedy=greedy)
     return renormalised, empty

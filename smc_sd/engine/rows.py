@@ -93,9 +93,10 @@ class RowSet:
         """The rows' KV statistics (`Sequences.memory`), or None when none are held."""
         return None if self.rows is None else self.rows.memory()
 
-    def rows_memory(self, rows: torch.Tensor) -> dict | None:
-        """The KV some rows hold (`Sequences.rows_memory`), or None when the backend cannot tell."""
-        return None if self.rows is None else self.rows.rows_memory(rows)
+    def rows_memory(self, rows: torch.Tensor, owners: torch.Tensor, count: int) -> list[dict] | None:
+        """The KV each owner's rows hold (`Sequences.rows_memory`), or None when the backend
+        cannot tell or no rows are held."""
+        return None if self.rows is None else self.rows.rows_memory(rows, owners, count)
 
     def close(self) -> None:
         if self.rows is not None:
@@ -174,8 +175,10 @@ def reseat_groups(table, target_rows: RowSet, draft_sets: list[RowSet], groups: 
     its unfinished particles in particle order, copies holding equal tokens sharing one row), a
     target row holding its prompt and generated tokens but the last, a row of the group's draft
     what `Group.draft_lengths` says (all but the last two; lengths per slot,
-    `SlotTable.length`); renumber the table's
-    `target_row` and `draft_row` (a row of the group's draft) to match.
+    `SlotTable.length`); renumber the table's `target_row` and `draft_row` (a row of the
+    group's draft) to match. Consecutive groups whose seats are their unfinished particles
+    (`Group.plain_seats`) are reseated together in a fixed number of tensor operations, and so
+    are consecutive groups without a draft LM whose seats come as lists (`seat_lists`).
 
     Args:
         table: the engine's `SlotTable`; its rows name each particle's row now held.
@@ -183,19 +186,87 @@ def reseat_groups(table, target_rows: RowSet, draft_sets: list[RowSet], groups: 
         groups: the running groups, in running order.
     """
     row_sets = [target_rows, *draft_sets]
+    models = [rows.lm for rows in draft_sets]
+    # per row set: the old rows the new ones copy and their lengths, piece after piece
     sources: list[list[torch.Tensor]] = [[] for _ in row_sets]
     lengths: list[list[torch.Tensor]] = [[] for _ in row_sets]
     offsets = [0] * len(row_sets)
+
+    def place(k: int, row_of: torch.Tensor, live: torch.Tensor, seated: torch.Tensor, seat_of: torch.Tensor, length: torch.Tensor) -> None:
+        sources[k].append(row_of[seated])
+        lengths[k].append(length)
+        row_of[live] = offsets[k] + seat_of
+        offsets[k] += seated.numel()
+
+    def flush_plain(run: list) -> None:
+        # [N]: the run's slots, group after group; the draft set of each (0: none)
+        slots = torch.cat([g.slots for g in run])
+        sizes = torch.tensor([g.slots.numel() for g in run])
+        prompt = torch.repeat_interleave(torch.tensor([len(g.prompt) for g in run]), sizes)
+        draft = torch.repeat_interleave(torch.tensor([1 + models.index(g.plan.draft) if g.has_draft else 0 for g in run]), sizes)
+        alive = ~table.finished[slots]
+        live, held = slots[alive], prompt[alive] + table.length[slots[alive]]
+        place(0, table.target_row, live, live, torch.arange(live.numel()), held - 1)
+        for k in sorted({1 + models.index(g.plan.draft) for g in run if g.has_draft}):
+            mine = draft[alive] == k
+            place(k, table.draft_row, live[mine], live[mine], torch.arange(live[mine].numel()), held[mine] - 2)
+
+    def flush_lists(run: list) -> None:
+        # groups without a draft LM whose seats come as Python lists (`seat_lists`), merged
+        live, seated, seat_of, held = [], [], [], []
+        for g in run:
+            l, s, o, h = g.seat_lists()
+            seat_of += [len(seated) + x for x in o]
+            live, seated, held = live + l, seated + s, held + h
+        as_tensor = lambda x: torch.tensor(x, dtype=torch.int64)
+        place(0, table.target_row, as_tensor(live), as_tensor(seated), as_tensor(seat_of), as_tensor(held))
+
+    # consecutive groups of one kind are reseated together
+    run: list = []
+    kind = None
     for group in groups:
+        this = "plain" if group.plain_seats else "lists" if not group.has_draft else None
+        if run and this != kind:
+            (flush_plain if kind == "plain" else flush_lists)(run)
+            run = []
+        kind = this
+        if this is not None:
+            run.append(group)
+            continue
         live, seated, seat_of = group.seats()
-        uses = [(0, table.target_row, len(group.prompt) + table.length[seated] - 1)]
-        if group.has_draft:
-            uses.append((1 + [rows.lm for rows in draft_sets].index(group.plan.draft), table.draft_row, group.draft_lengths(seated)))
-        for k, row_of, length in uses:
-            sources[k].append(row_of[seated])
-            lengths[k].append(length)
-            row_of[live] = offsets[k] + seat_of
-            offsets[k] += seated.numel()
+        place(0, table.target_row, live, seated, seat_of, len(group.prompt) + table.length[seated] - 1)
+        place(1 + models.index(group.plan.draft), table.draft_row, live, seated, seat_of, group.draft_lengths(seated))
+    if run:
+        (flush_plain if kind == "plain" else flush_lists)(run)
     empty = torch.empty(0, dtype=torch.int64)
     for k, rows in enumerate(row_sets):
         rows.reseat(torch.cat(sources[k] or [empty]), torch.cat(lengths[k] or [empty]))
+
+
+def note_kv(table, target_rows: RowSet, draft_sets: list[RowSet], groups: list) -> None:
+    """Each group's KV now, at the widest point of its cycle (`Group.note_kv`): the rows its
+    particles hold in the target's rows and in its draft's, one `rows_memory` call per model
+    for all groups.
+
+    Args:
+        table: the engine's `SlotTable`.
+        groups: the groups whose KV to note, in any order.
+    """
+    groups = [g for g in groups if g.kv_peak is not None]
+    held: list[list] = [[] for _ in groups]
+    uses = [(target_rows, table.target_row, list(range(len(groups))))]
+    uses += [(rows, table.draft_row, [i for i, g in enumerate(groups) if g.has_draft and g.plan.draft is rows.lm]) for rows in draft_sets]
+    for rows, row_of, users in uses:
+        if not users:
+            continue
+        slots = torch.cat([groups[i].slots for i in users])
+        owner = torch.repeat_interleave(torch.arange(len(users)), torch.tensor([groups[i].slots.numel() for i in users]))
+        row = row_of[slots]
+        # particles holding equal tokens may share a row: each row once, with its owner
+        distinct, where = torch.unique(row[row >= 0], return_inverse=True)
+        owners = torch.zeros_like(distinct).scatter_(0, where, owner[row >= 0])
+        memory = rows.rows_memory(distinct, owners, len(users))
+        for j, i in enumerate(users):
+            held[i].append(None if memory is None else memory[j])
+    for g, h in zip(groups, held):
+        g.note_kv(h)

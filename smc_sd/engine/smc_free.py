@@ -33,9 +33,8 @@ from dataclasses import dataclass
 
 import torch
 
-from smc_sd.engine.drafting import trim_at_eos
 from smc_sd.engine.free_drafts import FreeDrafter, allowed_prefix
-from smc_sd.engine.sampling import logsumexp_floored, sample_tokens, tempered_logprobs
+from smc_sd.engine.speculative_step import ProposedBlock, accept_rows, append_rows
 
 
 def proposals(plan, drafter: FreeDrafter, tokens: list[list[int]], running: list[int]) -> tuple[list[list[int]], list, list[int]]:
@@ -80,14 +79,11 @@ def distinct_rows(tokens: list[list[int]], running: list[int]) -> tuple[list[int
     return distinct, copy_of
 
 
-def running_particles(plan, tokens: list[list[int]], logw: torch.Tensor, ended: list[bool] | None = None) -> list[int]:
+def running_particles(plan, tokens: list[list[int]], alive: list[bool], ended: list[bool]) -> list[int]:
     """The particles a cycle extends: not ended (EOS, or a stop string when `ended` says so),
-    below the budget, of nonzero weight."""
+    below the budget, of nonzero weight (`alive`)."""
     eos = plan.target.vocabulary.eos_token_id
-    return [
-        i for i, row in enumerate(tokens)
-        if eos not in row and len(row) < plan.max_tokens and math.isfinite(logw[i]) and not (ended and ended[i])
-    ]
+    return [i for i, row in enumerate(tokens) if eos not in row and len(row) < plan.max_tokens and alive[i] and not ended[i]]
 
 
 @dataclass
@@ -115,10 +111,9 @@ class CycleProposals:
         """Tokens every computed row reads: the unseen last token and the longest proposal."""
         return 1 + max(len(d) for d in self.drafted)
 
-    def feed(self, tokens: list[list[int]], eos: int) -> torch.Tensor:
-        """[U, width] int64: each distinct row's unseen last token, its proposal, then EOS filler."""
-        width = self.width
-        return torch.tensor([[tokens[self.running[r]][-1]] + d + [eos] * (width - 1 - len(d)) for r, d in zip(self.distinct, self.drafted)])
+    def feed(self, tokens: list[list[int]], eos: int, width: int) -> list[list[int]]:
+        """Each distinct row's unseen last token, its proposal, then EOS filler to `width`."""
+        return [[tokens[self.running[r]][-1]] + d + [eos] * (width - 1 - len(d)) for r, d in zip(self.distinct, self.drafted)]
 
     @property
     def proposed(self) -> int:
@@ -134,118 +129,66 @@ def propose_distinct(plan, drafter: FreeDrafter, tokens: list[list[int]], runnin
     return CycleProposals(running, distinct, copy_of, drafted, masks, forced)
 
 
-def speculative_steps(plan, cycle: CycleProposals, logits: torch.Tensor, generator) -> list[tuple[list[int], list[float], int]]:
-    """Every running particle's exact speculative step on q_loc with its point-mass draft,
-    computed for all distinct rows at once (particles holding equal tokens share q_loc).
-
-    With the point-mass draft, d_j is accepted with probability q_loc(d_j) (log u_j <
-    log q_loc(d_j)); at the first rejection j the token is drawn from the residual, q_loc with d_j
-    removed (norm(max(0, q_loc - delta_{d_j}))); after m acceptances the bonus is drawn from q_loc
-    after d_m. Where the residual has no mass in float32 (q_loc(d_j) rounds to 1) the token is
-    drawn from q_loc (`residual_token`'s rule). A row whose q_loc has no mass at some position
-    j <= m reaches no further: it keeps d_1..d_j and an EOS filler, with log Z_j = -inf.
-
-    The uniforms of every acceptance test are drawn first, in particle order, then one token per
-    particle in one call: the draws depend on this request's generator only.
-
-    Args:
-        cycle: the cycle's proposals.
-        logits: [U, width, V] float32 target logits of the distinct rows (`CycleProposals.feed`).
+def free_feed(groups: list, table) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """What the distinct running rows of every request read: their unseen last token and their
+    proposal.
 
     Returns:
-        Per running particle (emitted, log_z, accepted): the emitted tokens, the log Z term of each
-        emitted position, and how many drafts were accepted.
+        ([U] int64 rows, [U, width] int64 tokens with EOS filler, [U] int64 counts).
     """
-    eos = plan.target.vocabulary.eos_token_id
-    masks = None
-    if any(m is not None for m in cycle.masks):
-        # [U, width, V]: each row's masks, all-allowed past its proposal
-        masks = torch.ones(logits.shape, dtype=torch.bool)
-        for u, m in enumerate(cycle.masks):
-            masks[u, : m.shape[0]] = m
-    # [U, width, V]: alpha log p_T, masked; [U, width]: its normalisers log Z
-    scores = plan.alpha * tempered_logprobs(logits, plan.target_temperature, masks)
-    log_z = logsumexp_floored(scores, -1)
-    width = logits.shape[1]
-    drafted = torch.tensor([d + [eos] * (width - 1 - len(d)) for d in cycle.drafted], dtype=torch.long)
-    # [U, width - 1]: log q_loc(d_j) at each drafted position
-    log_accept = (scores[:, :-1].gather(-1, drafted[..., None]).squeeze(-1) - log_z[:, :-1]).double().tolist()
-    terms = log_z.double().tolist()
-    # per distinct row: the first position where q_loc has no mass (None: it has mass at every one);
-    # the particles of rows with mass everywhere draw, the others stop
-    blocked = [next((j for j, t in enumerate(terms[u][: len(d) + 1]) if not math.isfinite(t)), None) for u, d in enumerate(cycle.drafted)]
-    sizes = [len(cycle.drafted[u]) for u in cycle.copy_of if blocked[u] is None]
-    log_u = iter(torch.rand(sum(sizes), generator=generator, dtype=torch.float64).log().split(sizes))
-    # per running particle (kept drafts, log Z terms, accepted); the drawing ones' (u, j, d_j or -1)
-    out, draws = [], []
-    for u in cycle.copy_of:
-        d, j = cycle.drafted[u], blocked[u]
-        if j is not None:
-            out.append((d[:j] + [eos], terms[u][: j + 1], j))
-            continue
-        accepted = next((k for k, x in enumerate(next(log_u).tolist()) if x >= log_accept[u][k]), len(d))
-        draws.append((len(out), u, accepted, d[accepted] if accepted < len(d) else -1))
-        out.append((d[:accepted], terms[u][: accepted + 1], accepted))
-    if draws:
-        at, rows, columns, excluded = zip(*draws)
-        for r, token in zip(at, residual_or_bonus_tokens(scores, rows, columns, excluded, generator)):
-            kept, log_terms, accepted = out[r]
-            out[r] = (kept + [token], log_terms, accepted)
+    eos = groups[0].eos
+    width = max(g.cycle.width for g in groups)
+    feed = [row for g in groups for row in g.cycle.feed(g.lists, eos, width)]
+    seated = [g.slot_ids[g.cycle.running[r]] for g in groups for r in g.cycle.distinct]
+    counts = [1 + len(d) for g in groups for d in g.cycle.drafted]
+    return table.target_row[torch.tensor(seated)], torch.tensor(feed), torch.tensor(counts)
+
+
+def extend_free_rows(groups: list, table, packed: torch.Tensor, starts: torch.Tensor) -> list[tuple[list[int], list[list[int]], list[list[float]], list[float]]]:
+    """Extend every running particle of every request by its exact speculative step on q_loc,
+    in one `accept_rows` and one `append_rows`: tokens kept up to EOS and budget, and the log Z
+    of each kept position added to its weight (module docstring). Particles that stop running
+    (EOS, budget, weight zero) drop their rows.
+
+    Args:
+        groups: `FreeImportanceGroup`s in a free cycle (their `cycle` prepared).
+        table: the engine's `SlotTable`.
+        packed: [T, V] float32 target logits row after row; starts: [B + 1] int64.
+
+    Returns:
+        per request, per running particle: drafts accepted, the tokens appended, the log Z
+        terms of their positions, and its log weight before the cycle.
+    """
+    blocks, temperatures, alphas, seated = [], [], [], []
+    owner, seeds, cycles, particles, slots, generated, budget = [], [], [], [], [], [], []
+    for g in groups:
+        c, base = g.cycle, len(blocks)
+        for r, d, m in zip(c.distinct, c.drafted, c.masks):
+            blocks.append(ProposedBlock(d, masks=m))
+            seated.append(g.slot_ids[c.running[r]])
+        temperatures += [g.plan.target_temperature] * len(c.distinct)
+        alphas += [g.plan.alpha] * len(c.distinct)
+        for r, i in enumerate(c.running):
+            owner.append(base + c.copy_of[r])
+            particles.append(i)
+            slots.append(g.slot_ids[i])
+            generated.append(len(g.lists[i]))
+            budget.append(g.plan.max_tokens - len(g.lists[i]))
+        seeds += [g.key] * len(c.running)
+        cycles += [len(g.cycles)] * len(c.running)
+    slots_t = torch.tensor(slots)
+    before = table.logw[slots_t].tolist()
+    decisions = accept_rows(packed, starts, table.target_row[torch.tensor(seated)], blocks, temperatures, alphas, torch.tensor(owner), torch.tensor(seeds), torch.tensor(cycles), torch.tensor(particles))
+    new, finished, terms = append_rows(table, slots_t, generated, budget, decisions, groups[0].eos, weighted=True)
+    accepted = decisions.accepted.tolist()
+    # particles that stop running hold no rows: at EOS (done by append_rows), at the budget, at weight zero
+    ended = [s for s, n, b, t in zip(slots, new, budget, terms) if len(n) >= b or -math.inf in t]
+    if ended:
+        table.target_row[torch.tensor(ended)] = -1
+        table.draft_row[torch.tensor(ended)] = -1
+    out, start = [], 0
+    for g in groups:
+        end = start + len(g.cycle.running)
+        out.append((accepted[start:end], new[start:end], terms[start:end], before[start:end]))
+        start = end
     return out
-
-
-def residual_or_bonus_tokens(scores: torch.Tensor, rows, columns, excluded, generator) -> list[int]:
-    """One token per drawing particle, in one call: from q_loc at (row, column) with the rejected
-    draft `excluded` removed (the residual), or from q_loc itself where `excluded` is -1 (the
-    bonus after m acceptances) or where the residual has no mass in float32 (q_loc(d_j) rounded
-    to 1).
-
-    Args:
-        scores: [U, width, V] alpha log p_T, masked (q_loc unnormalised).
-        rows, columns, excluded: per drawing particle, its distinct row, position and rejected
-            draft (-1: none).
-    """
-    # [P, V]: q_loc (unnormalised) at each drawing particle's last position, d_j removed on a rejection
-    last = scores[torch.tensor(rows), torch.tensor(columns)]
-    excluded = torch.tensor(excluded)
-    residual = last.clone()
-    rejected = (excluded >= 0).nonzero().flatten()
-    residual[rejected, excluded[rejected]] = float("-inf")
-    residual = torch.where(torch.isfinite(residual).any(-1, keepdim=True), residual, last)
-    return sample_tokens(residual, generator).tolist()
-
-
-def extend_running(plan, drafter: FreeDrafter, cycle: CycleProposals, logits: torch.Tensor, tokens: list[list[int]], logw: torch.Tensor, generator, stop_at=None) -> tuple[list[int], list[int], list[bool]]:
-    """Extend every running particle by its exact speculative step on q_loc, in particle order,
-    and add its log Z terms to its weight (module docstring); the lookup adapts to each block.
-
-    Args:
-        cycle: the cycle's proposals.
-        logits: [U, width, V] float32 target logits of the distinct rows (`CycleProposals.feed`).
-        tokens: every particle's tokens, extended in place.
-        logw: [N] float64 log weights, updated in place.
-        stop_at: (prefix, new tokens) -> the index of the new token that completes a stop
-            string, or None; None when the request has no stop strings.
-
-    Returns:
-        (accepted, added, stopped) per running particle: drafts accepted, tokens kept, whether a
-        stop string ended it.
-    """
-    eos = plan.target.vocabulary.eos_token_id
-    accepted_out, added, stopped = [], [], []
-    steps = speculative_steps(plan, cycle, logits, generator)
-    for r, (i, (emitted, terms, accepted)) in enumerate(zip(cycle.running, steps)):
-        u = cycle.copy_of[r]
-        d = cycle.drafted[u]
-        new = trim_at_eos(emitted, eos)[: plan.max_tokens - len(tokens[i])]
-        column = stop_at(tokens[i], new) if stop_at is not None else None
-        if column is not None:
-            new = new[: column + 1]
-        # the weight counts the kept positions only (an EOS, a stop or the budget may cut the block)
-        logw[i] += math.fsum(terms[: len(new)])
-        tokens[i] += new
-        accepted_out.append(accepted)
-        added.append(len(new))
-        stopped.append(column is not None)
-        drafter.record(len(d), cycle.forced[u], accepted)
-    return accepted_out, added, stopped
