@@ -143,7 +143,7 @@ def log_mean_weight(logw: torch.Tensor) -> float:
 ESS_TIE = 1e-9
 
 
-def resample_rows(logw: torch.Tensor, thresholds: list[float], schemes: list[str], u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def resample_rows(logw: torch.Tensor, thresholds: torch.Tensor | list[float], schemes: list[str], u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """One cycle's resampling of G populations of N particles each, row g by its own threshold
     and scheme: resample when 0 < ESS_g < tau_g · N · (1 - ESS_TIE).
 
@@ -157,11 +157,14 @@ def resample_rows(logw: torch.Tensor, thresholds: list[float], schemes: list[str
     (ESS 0) is not resampled: there is nothing to draw from, and the caller ends the run.
 
     Each row is computed on its own (reductions along rows), so a population's result does not
-    depend on the other rows.
+    depend on the other rows. Nothing is read back to the host and no branch reads a tensor, so
+    the function can be compiled (`torch.compile`, tests/test_compiled_step.py); the schemes are
+    Python names, fixed per compiled graph, and the thresholds a tensor, so that new values do
+    not recompile.
 
     Args:
         logw: [G, N] float64 log weights relative to the last resampling.
-        thresholds: G values tau_g in [0, 1].
+        thresholds: [G] float64 tau_g in [0, 1] (or G floats).
         schemes: G names of RESAMPLERS.
         u: [G, N] float64 uniforms on [0, 1): systematic reads u[g, 0], the others all N
             (residual the first r_g, its residual draws).
@@ -176,7 +179,7 @@ def resample_rows(logw: torch.Tensor, thresholds: list[float], schemes: list[str
     g, n = logw.shape
     # [G], [G], [G, N]: each population's ESS, log total weight and normalised weights
     ess, log_total, w = ess_rows(logw)
-    tau = torch.tensor(thresholds, dtype=torch.float64, device=logw.device)
+    tau = torch.as_tensor(thresholds, dtype=torch.float64, device=logw.device)
     resampled = (ess > 0) & (ess < tau * n * (1 - ESS_TIE))
     columns = torch.arange(n, dtype=torch.float64, device=logw.device)
     # [G, N]: each row's sorted points in [0, 1)
@@ -186,7 +189,7 @@ def resample_rows(logw: torch.Tensor, thresholds: list[float], schemes: list[str
         "multinomial": lambda: u.sort(-1).values,
     }
     ancestors = torch.zeros(g, n, dtype=torch.int64, device=logw.device)
-    for scheme in set(schemes):
+    for scheme in sorted(set(schemes)):
         rows = torch.tensor([s == scheme for s in schemes], device=logw.device)[:, None]
         drawn = residual_rows(w, u) if scheme == "residual" else inverse_cdf_rows(w, points[scheme]())
         ancestors = torch.where(rows, drawn, ancestors)
