@@ -19,10 +19,11 @@ The end of the cycle, ESS, the resampling decision, ancestor draws and log Z_hat
 call of `resample_rows` per particle count N over every request with N particles
 (`resample_groups`), for every SMC-SD request, stepped or not.
 
-What stays per request: the masks (each request's constraint object is asked for its rows),
-and the requests whose particles need per-prefix Python after the block (stop strings, block-end
-potentials, a twist) or whose blocks are a free draft's: they verify with their own
-`ImportanceGroup.verify`.
+The rows come gathered once per cycle (`smc_sd.engine.step_rows.StepRows`), drafted together
+when unconstrained. What stays per request: a constrained request's masks and drafts (each
+request's constraint object is asked for its rows), and the requests whose particles need
+per-prefix Python after the block (stop strings, block-end potentials, a twist) or whose blocks
+are a free draft's: they verify with their own `ImportanceGroup.verify`.
 
 Dimension letters: G requests of the step, N_g particles of request g, A unfinished particles
 of all of them (the rows), K draft length (one value per step), V vocabulary.
@@ -34,70 +35,50 @@ import math
 
 import torch
 
+from smc_sd.engine.drafting import DraftBlock
 from smc_sd.engine.keyed_random import BONUS, RESAMPLE, counter, keyed_uniform
 from smc_sd.engine.resampling import resample_rows
 from smc_sd.engine.sampling import gather_last, logsumexp_floored, tempered_logprobs_rows, tokens_from_uniforms
 from smc_sd.engine.smc import block_mask
+from smc_sd.engine.step_rows import StepRows
 
 
-def verify_importance_rows(groups: list, table, packed: torch.Tensor, starts: torch.Tensor, blocks: list, bonus_masks: list) -> list[int]:
-    """Verify every group's block in one pass of tensor operations and store the result.
+def verify_importance_rows(step: StepRows, packed: torch.Tensor, starts: torch.Tensor, block: DraftBlock, bonus_mask: torch.Tensor | None) -> list[int]:
+    """Verify every row's block in one pass of tensor operations and store the result.
 
-    Each group's rows read its last token and its K drafted tokens in the target pass (K the
-    same for every group here), so row r's logits are packed[starts[r] : starts[r] + K + 1].
+    Each row reads its last token and its K drafted tokens in the target pass, so row r's logits
+    are packed[starts[r] : starts[r] + K + 1].
 
     Args:
-        groups: G `ImportanceGroup`s with equal draft_len.
-        table: the engine's `SlotTable`.
+        step: the requests' rows (`StepRows`), one draft length K.
         packed: [T, V] float32, the target pass's logits row after row; starts: [B + 1] int64.
-        blocks: per group the cycle's `DraftBlock` ([A_g, K] drafted tokens).
-        bonus_masks: per group its rows' bonus-token masks [A_g, V] bool, or None when
-            unconstrained.
+        block: the cycle's drafted block of every row ([A, K] tokens).
+        bonus_mask: [A, V] bool, the bonus token's constraint masks (all allowed on an
+            unconstrained request's rows), or None when no request is constrained.
 
     Returns:
-        A_g per group: its particles that were unfinished before the block.
+        A_g per request: its particles that were unfinished before the block.
 
-    Writes the table's tokens, length, finished and logw of every group's slots; the groups'
+    Writes the table's tokens, length, finished and logw of every request's slots; the requests'
     per-cycle accounting (`ImportanceGroup.end_verify`) and resampling (`resample_groups`) are
     the caller's.
     """
-    k = groups[0].plan.draft_len
+    groups, k, owner = step.groups, step.draft_len, step.owner
     eos = groups[0].eos
-    vocab = packed.shape[-1]
-    sizes = [g.plan.particles for g in groups]
-    # [N]: every particle of the step, request after request; its request and its index there
-    slots = torch.cat([g.slots for g in groups])
-    request = torch.repeat_interleave(torch.arange(len(groups)), torch.tensor(sizes))
-    particle = torch.arange(slots.numel()) - torch.tensor([0] + sizes[:-1]).cumsum(0)[request]
-    finished = table.finished[slots]
-    active = ~finished
-    # [A]: the rows of the unfinished particles, and their requests
-    rows = table.target_row[slots[active]]
-    owner = request[active]
+    # [A]: the target rows of the unfinished particles
+    rows = step.rows_of(step.table.target_row)
     # [A, K + 1, V]: each row's logits after its last token and after each drafted token
     logits = packed[starts[rows][:, None] + torch.arange(k + 1)]
     temperatures = [g.plan.target_temperature for g in groups]
     # [A]: each row's T and alpha
     temperature = torch.tensor(temperatures, dtype=torch.float32)[owner]
     alpha = torch.tensor([g.plan.alpha for g in groups], dtype=torch.float32)[owner]
-    mask = None
-    if any(m is not None for m in bonus_masks):
-        # [A, V]: the bonus token's masks (all allowed where unconstrained)
-        mask = torch.cat([m if m is not None else torch.ones(b.tokens.shape[0], vocab, dtype=torch.bool) for m, b in zip(bonus_masks, blocks)])
-    # [A, K] drafted tokens, [A, K, V] their log q~, [A, K] dead positions or None
-    drafted = torch.empty(owner.numel(), 0, dtype=torch.int64)
-    logq, dead = torch.empty(owner.numel(), 0, vocab), None
-    if k:
-        drafted = torch.cat([b.tokens for b in blocks])
-        logq = torch.cat([b.logq for b in blocks])
-        if any(b.dead is not None for b in blocks):
-            dead = torch.cat([b.dead if b.dead is not None else torch.zeros(b.tokens.shape, dtype=torch.bool) for b in blocks])
-    seeds = torch.tensor([key_seed(g) for g in groups], dtype=torch.int64)[owner]
+    seeds = torch.tensor([g.key for g in groups], dtype=torch.int64)[owner]
     cycles = torch.tensor([len(g.cycles) for g in groups], dtype=torch.int64)[owner]
-    u = keyed_uniform(seeds, counter(cycles, particle[active], k, BONUS))
-    block, increments = score_rows(logits, temperature, alpha, mask, drafted, logq, dead, u, 0.0 in temperatures)
-    advance_rows(groups, table, slots, request, active, block, increments, eos)
-    return torch.bincount(owner, minlength=len(groups)).tolist()
+    u = keyed_uniform(seeds, counter(cycles, step.particle[step.active], k, BONUS))
+    tokens, increments = score_rows(logits, temperature, alpha, bonus_mask, block.tokens, block.logq, block.dead, u, 0.0 in temperatures)
+    advance_rows(step, tokens, increments, eos)
+    return step.unfinished_counts()
 
 
 def score_rows(logits: torch.Tensor, temperature: torch.Tensor, alpha: torch.Tensor, bonus_mask: torch.Tensor | None, drafted: torch.Tensor, logq: torch.Tensor, dead: torch.Tensor | None, u: torch.Tensor, greedy: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -151,16 +132,17 @@ def score_rows(logits: torch.Tensor, temperature: torch.Tensor, alpha: torch.Ten
     return block, increments
 
 
-def advance_rows(groups: list, table, slots: torch.Tensor, request: torch.Tensor, active: torch.Tensor, block: torch.Tensor, increments: torch.Tensor, eos: int) -> None:
+def advance_rows(step: StepRows, block: torch.Tensor, increments: torch.Tensor, eos: int) -> None:
     """Append each unfinished particle's block at its request's column and add the columns that
     count to its log weight (`smc_sd.engine.smc.advance` for many requests at once): the columns
     of `block_mask`, with each request's own remaining budget; the tokens kept are the first min(K + 1, budget),
     EOS filler on finished particles.
 
     Args:
-        slots: [N] int64; request: [N] int64 each slot's group; active: [N] bool unfinished.
+        step: the requests' rows.
         block, increments: [A, K + 1] int64 tokens and float64 log-weight increments.
     """
+    groups, table, slots, request, active = step.groups, step.table, step.slots, step.request, step.active
     width = block.shape[1]
     generated = torch.tensor([g.generated for g in groups], dtype=torch.int64)[request]
     budget = torch.tensor([g.plan.max_tokens - g.generated for g in groups], dtype=torch.int64)[request]
@@ -184,11 +166,6 @@ def advance_rows(groups: list, table, slots: torch.Tensor, request: torch.Tensor
     table.length[slots] = generated + budget.clamp(max=width)
 
 
-def key_seed(group) -> int:
-    """The request's seed as a key word of `keyed_random` (in [0, 2^63))."""
-    return group.request.seed % (1 << 63)
-
-
 def resample_groups(groups: list, table) -> list[tuple[float, bool, float]]:
     """The end of a cycle for many requests: ESS, the resampling decision (`resample_rows`) and
     ancestors, the requests of equal N in one call, uniforms keyed by (seed, cycle, particle);
@@ -198,24 +175,30 @@ def resample_groups(groups: list, table) -> list[tuple[float, bool, float]]:
         groups: `ImportanceGroup`s whose blocks are stored in `table`.
 
     Returns:
-        per group (ess, resampled, log_z_step), log_z_step 0.0 when not resampled.
+        per group (ess, resampled, log_z_step, unfinished, ancestors): log_z_step 0.0 when not
+        resampled, unfinished its particles that have not finished after the resampling,
+        ancestors (N ints) when resampled, else None.
     """
     out: list = [None] * len(groups)
-    targets, sources = [], []
+    targets, sources, buckets = [], [], []
     for n in sorted({g.plan.particles for g in groups}):
         members = [i for i, g in enumerate(groups) if g.plan.particles == n]
         # [G_n, N]: the slots of the requests with N particles
         slots = torch.stack([groups[i].slots for i in members])
-        seeds = torch.tensor([key_seed(groups[i]) for i in members], dtype=torch.int64)[:, None]
+        seeds = torch.tensor([groups[i].key for i in members], dtype=torch.int64)[:, None]
         cycles = torch.tensor([len(groups[i].cycles) for i in members], dtype=torch.int64)[:, None]
         u = keyed_uniform(seeds, counter(cycles, torch.arange(n)[None, :], 0, RESAMPLE))
         plans = [groups[i].plan for i in members]
         ess, resampled, ancestors, steps = resample_rows(table.logw[slots], torch.tensor([p.ess_threshold for p in plans], dtype=torch.float64), [p.resampling for p in plans], u)
         targets.append(slots[resampled].flatten())
         sources.append(slots.gather(1, ancestors)[resampled].flatten())
-        for i, e, r, step in zip(members, ess.tolist(), resampled.tolist(), steps.tolist()):
-            out[i] = (e, r, step if r else 0.0)
+        buckets.append((members, slots))
+        for i, e, r, step, a in zip(members, ess.tolist(), resampled.tolist(), steps.tolist(), ancestors.tolist()):
+            out[i] = (e, r, step if r else 0.0, a if r else None)
     targets = torch.cat(targets)
     if targets.numel():
         table.copy(targets, torch.cat(sources))
+    for members, slots in buckets:
+        for i, unfinished in zip(members, (~table.finished[slots]).sum(1).tolist()):
+            out[i] = (*out[i][:3], unfinished, out[i][3])
     return out
