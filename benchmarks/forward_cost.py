@@ -1,10 +1,12 @@
 """What one target forward costs, rows x new tokens, in each dtype: the cost of a verify pass.
 
 For every dtype in --dtypes and every shape B x L in --shapes, B rows are opened on a
---context-token prompt (the hf backend's paged KV) and `extend` appends [B, L] tokens, then
-`truncate` removes them again, so every timing appends to the same context. The dtypes and
-shapes take turns within each of --repeats rounds (after one untimed round), so a change of load
-on the machine hits them alike. Reported per (dtype, shape): the median and the minimum in ms,
+--context-token prompt (untimed) and the timed `extend` appends [B, L] tokens; the rows are
+closed again before the next shape opens its own, so a pass sees its own rows' cache only, as a
+request's pass does (llama.cpp's unified KV cache: attention and its mask walk every cell up to
+the highest one in use, so other rows' cells would cost the pass time). The dtypes and shapes
+take turns within each of --repeats rounds (after one untimed round), so a change of load on the
+machine hits them alike. Reported per (dtype, shape): the median and the minimum in ms,
 and `over_1x1`, the median / that dtype's 1x1 median (what a verify of B x L tokens costs in
 one-token passes).
 
@@ -65,17 +67,20 @@ def timed(step) -> float:
 
 
 def forward_step(lm, prompt: list[int], rows: int, new: int):
-    """(step, close): step() appends [rows, new] tokens to `rows` open rows and removes them again."""
-    sequences, _ = lm.open(prompt, rows)
+    """step() -> ms: opens `rows` rows on `prompt` (untimed), times one `extend` of [rows, new]
+    tokens and closes the rows."""
     # [rows, new]: other tokens in every row (a backend may decode rows that gain the same
     # tokens after the same cells once)
     tokens = torch.tensor([prompt[b : b + new] for b in range(rows)])
 
-    def step():
-        sequences.extend(tokens)
-        sequences.truncate(len(prompt))
+    def step() -> float:
+        sequences, _ = lm.open(prompt, rows)
+        try:
+            return timed(lambda: sequences.extend(tokens))
+        finally:
+            sequences.close()
 
-    return step, sequences.close
+    return step
 
 
 def blas_linears(model) -> None:
@@ -135,23 +140,24 @@ def main(argv=None) -> dict:
                 blas_linears(lm.model)
             models["hf" if linear == "onednn" else "hf-blas", name] = lm
     if "llama-cpp" in backends:
-        models.update(llama_models(args.formats.split(","), sum(b for b, _ in shapes)))
+        models.update(llama_models(args.formats.split(","), max(b for b, _ in shapes)))
     prompt = context_tokens(next(iter(models.values())).tokenizer, args.context)
-    steps = {}
+    steps, anchors = {}, []
     for name, lm in models.items():
         for rows, new in shapes:
             steps[name, rows, new] = forward_step(lm, prompt, rows, new)
         if name[0] == "llama-cpp":
-            steps[("llama-cpp-python", name[1]), 1, 1] = anchor_step(lm.path, prompt, args.context)
+            anchors.append(anchor_llama(lm.path, prompt, args.context))
+            steps[("llama-cpp-python", name[1]), 1, 1] = anchor_step(anchors[-1], prompt)
     times = {key: [] for key in steps}
     with torch.inference_mode():
         for round_ in range(args.repeats + 1):
-            for key, (step, _) in steps.items():
-                ms = timed(step)
+            for key, step in steps.items():
+                ms = step()
                 if round_:
                     times[key].append(ms)
-    for _, close in steps.values():
-        close()
+    for llm in anchors:
+        llm.close()
     rows = []
     for ((backend, name), b, l), samples in times.items():
         rows.append({"backend": backend, "dtype": name, "rows": b, "new_tokens": l, "shape": f"{b}x{l}",
@@ -195,19 +201,25 @@ def llama_models(formats: list[str], rows: int) -> dict:
     return models
 
 
-def anchor_step(path, prompt: list[int], context: int):
-    """(step, close): step() is llama-cpp-python's own decode of one token after `prompt`
-    (`Llama.eval`, which first removes the cells past its token count, then decodes)."""
+def anchor_llama(path, prompt: list[int], context: int):
+    """llama-cpp-python's `Llama` on GGUF `path` (its default context: no flash attention, one
+    sequence; one thread) after decoding `prompt`."""
     from llama_cpp import Llama
 
     llm = Llama(model_path=str(path), n_ctx=max(512, 2 * context), n_threads=1, n_threads_batch=1, n_gpu_layers=0, verbose=False)
     llm.eval(prompt)
+    return llm
 
-    def step():
+
+def anchor_step(llm, prompt: list[int]):
+    """step() -> ms of llama-cpp-python's own decode of one token after `prompt` (`Llama.eval`,
+    which first removes the cells past its token count, then decodes)."""
+
+    def step() -> float:
         llm.n_tokens = len(prompt)
-        llm.eval(prompt[:1])
+        return timed(lambda: llm.eval(prompt[:1]))
 
-    return step, llm.close
+    return step
 
 
 def lm_head_rows(model, repeats: int) -> list[dict]:
