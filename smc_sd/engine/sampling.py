@@ -18,6 +18,8 @@ import torch
 EXP_FLOOR = -70.0
 #: C: above exp(F) by 2^-20 of it, so above any float32 exp(F) within an ulp (2^-23) of exact
 FLOOR_WEIGHT = math.exp(EXP_FLOOR) * (1 + 2**-20)
+#: tokens per block of `tokens_from_uniforms`'s two-level search
+BLOCK = 256
 
 
 def tempered_logprobs(logits: torch.Tensor, temperature: float, mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -120,6 +122,14 @@ def tokens_from_uniforms(scores: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """`sample_tokens` with its uniforms given: row b's token is the inverse CDF of the weights
     exp(scores[b] - max) at u[b] · (their total).
 
+    The search runs in two levels, so that no [B, V] float64 array is formed: the weights'
+    sums over blocks of BLOCK tokens (float64) and their running sums C_i choose the block i
+    with C_{i-1} <= t < C_i, t = u · total; within it, the float64 running sums c_j of its
+    weights choose the token j with c_{j-1} <= t' < c_j, t' = (t - C_{i-1}) / S_i · c_last (S_i
+    its sum), kept below c_last. So P(block i) = S_i / total and P(j | i) = w_j / c_last: the
+    token's probability is w_j / total up to float64 rounding, and a token of weight zero is
+    never drawn (c_j > c_{j-1} for the token chosen).
+
     Args:
         scores: [B, V] float unnormalised log-probabilities; each row has a finite entry.
         u: [B] float64 uniforms on [0, 1) (a generator's, or `keyed_random.keyed_uniform`).
@@ -127,13 +137,23 @@ def tokens_from_uniforms(scores: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     Returns:
         [B] int64 token ids.
     """
-    # [B, V] float32 weights, their [B, V] float64 running sums
+    # [B, V] float32 weights, padded to whole blocks: [B, V / BLOCK, BLOCK]
     weights = exp_floored(scores - scores.amax(dim=-1, keepdim=True))
-    cdf = weights.cumsum(-1, dtype=torch.float64)
-    total = cdf[:, -1:]
-    u = u[:, None] * total
-    u = torch.minimum(u, torch.nextafter(total, torch.zeros_like(total)))
-    return torch.searchsorted(cdf, u, right=True).squeeze(-1)
+    b, v = weights.shape
+    blocks = (weights if v % BLOCK == 0 else torch.nn.functional.pad(weights, (0, -v % BLOCK))).view(b, -1, BLOCK)
+    # [B, V / BLOCK] float64: each block's mass and the running sums C_i
+    mass = blocks.sum(-1, dtype=torch.float64)
+    cumulative = mass.cumsum(-1)
+    total = cumulative[:, -1:]
+    t = torch.minimum(u[:, None] * total, torch.nextafter(total, torch.zeros_like(total)))
+    # [B, 1]: the block holding t, and the mass before it
+    block = torch.searchsorted(cumulative, t, right=True)
+    before = torch.where(block > 0, cumulative.gather(-1, (block - 1).clamp(min=0)), 0.0)
+    # [B, BLOCK] float64: the running sums c_j inside the block
+    inner = blocks.gather(1, block[..., None].expand(-1, -1, BLOCK)).squeeze(1).cumsum(-1, dtype=torch.float64)
+    last = inner[:, -1:]
+    within = torch.minimum((t - before) / mass.gather(-1, block) * last, torch.nextafter(last, torch.zeros_like(last)))
+    return (block * BLOCK + torch.searchsorted(inner, within, right=True)).squeeze(-1)
 
 
 def gather_last(values: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
