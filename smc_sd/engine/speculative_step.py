@@ -165,24 +165,30 @@ def accept_rows(packed: torch.Tensor, starts: torch.Tensor, rows: torch.Tensor, 
     lengths_list = [len(b.tokens) for b in blocks]
     u_rows, m = len(blocks), max(lengths_list)
     lengths = torch.tensor(lengths_list)
+    widths = lengths + 1
     columns = torch.arange(m + 1)
-    # [U, M + 1, V]: logits after the last token and after each proposed one (clamped past m_u)
-    logits = packed[starts[rows][:, None] + torch.minimum(columns[None, :], lengths[:, None])]
+    # the P = sum(m_u + 1) positions the rows read, row after row: each one's packed index, and
+    # [U, M + 1] where each (row, column) stands among them (P past a row's end)
+    first = widths.cumsum(0) - widths
+    count = sum(lengths_list) + u_rows
+    at = torch.repeat_interleave(starts[rows] - first, widths) + torch.arange(count)
+    position = torch.where(columns[None, :] < widths[:, None], first[:, None] + columns, count)
+    # [P, V]: the logits of those positions only (no padding to the longest proposal)
+    logits = packed[at]
     mask = None
     if any(b.masks is not None for b in blocks):
-        mask = torch.ones(u_rows, m + 1, vocab, dtype=torch.bool)
-        for i, b in enumerate(blocks):
-            if b.masks is not None:
-                mask[i, : b.masks.shape[0]] = b.masks
-    temperature = torch.tensor(temperatures, dtype=torch.float32)
-    alpha = torch.tensor(alphas, dtype=torch.float32)[:, None, None]
-    # [U, M + 1, V]: alpha log p_T + log m (q_loc unnormalised); [U, M + 1]: log Z
+        mask = torch.cat([b.masks if b.masks is not None else torch.ones(len(b.tokens) + 1, vocab, dtype=torch.bool) for b in blocks])
+    temperature = torch.tensor(temperatures, dtype=torch.float32).repeat_interleave(widths)
+    alpha = torch.tensor(alphas, dtype=torch.float32).repeat_interleave(widths)[:, None]
+    # [P, V]: alpha log p_T + log m (q_loc unnormalised); [P]: log Z
     scores = alpha * tempered_logprobs_rows(logits, temperature, mask, 0.0 in temperatures)
     log_z = logsumexp_floored(scores, -1)
-    # log q_loc; a position without mass gets a flat row (its particle's weight, or its
-    # request, dies; the draw only keeps shapes)
     no_mass = log_z == float("-inf")
-    logp = torch.where(no_mass[..., None], 0.0, scores - torch.where(no_mass, 0.0, log_z)[..., None])
+    # log q_loc at a position; one without mass gets a flat row (its particle's weight, or its
+    # request, dies; the draw only keeps shapes)
+    finite_z = torch.where(no_mass, 0.0, log_z)
+    # [U, M + 1] float64: log Z at each (row, column), -inf past a row's end
+    log_z_rows = torch.cat([log_z.double(), torch.tensor([float("-inf")], dtype=torch.float64)])[position]
     # [U, M]: proposed tokens (0 as padding) and log q~ of each (0: a point mass)
     drafted = torch.tensor([b.tokens + [0] * (m - len(b.tokens)) for b in blocks], dtype=torch.int64).view(u_rows, m)
     logq_x = torch.zeros(u_rows, m)
@@ -193,8 +199,11 @@ def accept_rows(packed: torch.Tensor, starts: torch.Tensor, rows: torch.Tensor, 
         if any(blocks[i].dead is not None for i in lm):
             dead = torch.zeros(u_rows, m, dtype=torch.bool)
             dead[lm] = _padded([blocks[i].dead if blocks[i].dead is not None else torch.zeros(lengths_list[i], dtype=torch.bool) for i in lm], m).bool()
-    # a position where q_loc has no mass rejects
-    log_ratio = torch.where(no_mass[:, :m], float("-inf"), gather_last(logp[:, :m], drafted) - logq_x)[owner]
+    # [U, M]: log q_loc(x_k) at each proposed position; a position without mass rejects
+    inside = columns[None, :m] < lengths[:, None]
+    flat = position[:, :m].clamp(max=count - 1)
+    log_q_loc = torch.where(inside, scores[flat, drafted] - finite_z[flat], float("-inf"))
+    log_ratio = torch.where(no_mass[flat], float("-inf"), log_q_loc - logq_x)[owner]
     u = keyed_uniform(seeds[:, None], counter(cycles[:, None], particles[:, None], columns[None, :m], ACCEPT))
     j = first_rejections(log_ratio, lengths[owner], u, None if dead is None else dead[owner])
     rejected = j < lengths[owner]
@@ -211,8 +220,11 @@ def accept_rows(packed: torch.Tensor, starts: torch.Tensor, rows: torch.Tensor, 
         if dead is not None:
             drawn &= ~dead[owner, j.clamp(max=m - 1)]
         q[drawn] = exp_floored(logq_rows[begins[owner[drawn]] + j[drawn]])
-    emitted = emit_tokens(logp[owner, j], q, keyed_uniform(seeds, counter(cycles, particles, j, BONUS)))
-    return Decisions(drafted[owner], j, emitted, log_z.double()[owner])
+    # [R, V]: log q_loc at each particle's emitted position (flat where it has no mass)
+    emitted_at = position[owner, j]
+    logp = torch.where(no_mass[emitted_at, None], 0.0, scores[emitted_at] - finite_z[emitted_at, None])
+    emitted = emit_tokens(logp, q, keyed_uniform(seeds, counter(cycles, particles, j, BONUS)))
+    return Decisions(drafted[owner], j, emitted, log_z_rows[owner])
 
 
 def append_rows(table, slots: torch.Tensor, generated: list[int], budget: list[int], decisions: Decisions, eos: int, weighted: bool) -> tuple[list[list[int]], list[bool], list[list[float]]]:
