@@ -29,7 +29,7 @@ class Request:
         prompt: prompt token ids (non-empty).
         program: the `smc_sd.program.Program`; its target.lm and proposal.lm are the engine's.
         schedule: particles N, ess_threshold, resampling, max_tokens.
-        seed: seeds the request's own generator (equal seeds, equal results).
+        seed: keys the request's draws (`smc_sd.engine.keyed_random`) and seeds its own generator (equal seeds, equal results).
         stop: stop strings; a particle whose generated text contains one finishes at the token
             that completed it.
     """
