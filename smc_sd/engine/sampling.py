@@ -120,7 +120,20 @@ def sample_tokens(scores: torch.Tensor, generator: torch.Generator) -> torch.Ten
 
 def tokens_from_uniforms(scores: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """`sample_tokens` with its uniforms given: row b's token is the inverse CDF of the weights
-    exp(scores[b] - max) at u[b] · (their total).
+    exp(scores[b] - max) at u[b] · (their total) (`tokens_from_weights`).
+
+    Args:
+        scores: [B, V] float unnormalised log-probabilities; each row has a finite entry.
+        u: [B] float64 uniforms on [0, 1) (a generator's, or `keyed_random.keyed_uniform`).
+
+    Returns:
+        [B] int64 token ids.
+    """
+    return tokens_from_weights(exp_floored(scores - scores.amax(dim=-1, keepdim=True)), u)
+
+
+def tokens_from_weights(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Row b's token: the inverse CDF of its weights at u[b] · (their total).
 
     The search runs in two levels, so that no [B, V] float64 array is formed: the weights'
     sums over blocks of BLOCK tokens (float64) and their running sums C_i choose the block i
@@ -131,15 +144,14 @@ def tokens_from_uniforms(scores: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     never drawn (c_j > c_{j-1} for the token chosen).
 
     Args:
-        scores: [B, V] float unnormalised log-probabilities; each row has a finite entry.
-        u: [B] float64 uniforms on [0, 1) (a generator's, or `keyed_random.keyed_uniform`).
+        weights: [B, V] float32 >= 0; each row has a positive entry.
+        u: [B] float64 uniforms on [0, 1).
 
     Returns:
         [B] int64 token ids.
     """
-    # [B, V] float32 weights, padded to whole blocks: [B, V / BLOCK, BLOCK]
-    weights = exp_floored(scores - scores.amax(dim=-1, keepdim=True))
     b, v = weights.shape
+    # [B, V / BLOCK, BLOCK]: the weights, padded to whole blocks
     blocks = (weights if v % BLOCK == 0 else torch.nn.functional.pad(weights, (0, -v % BLOCK))).view(b, -1, BLOCK)
     # [B, V / BLOCK] float64: each block's mass and the running sums C_i
     mass = blocks.sum(-1, dtype=torch.float64)

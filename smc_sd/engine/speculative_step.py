@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from smc_sd.engine.keyed_random import ACCEPT, BONUS, counter, keyed_uniform
-from smc_sd.engine.sampling import exp_floored, gather_last, logsumexp_floored, tempered_logprobs_rows, tokens_from_uniforms
+from smc_sd.engine.sampling import exp_floored, gather_last, logsumexp_floored, tempered_logprobs_rows, tokens_from_weights
 
 
 @dataclass
@@ -123,7 +123,7 @@ def emit_tokens(logp: torch.Tensor, q: torch.Tensor, u: torch.Tensor) -> torch.T
     residual = (p - q).clamp(min=0.0)
     residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, p)
     residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, 1.0)
-    return tokens_from_uniforms(residual.log(), u)
+    return tokens_from_weights(residual, u)
 
 
 @dataclass
@@ -179,10 +179,15 @@ def accept_rows(packed: torch.Tensor, starts: torch.Tensor, rows: torch.Tensor, 
     if any(b.masks is not None for b in blocks):
         mask = torch.cat([b.masks if b.masks is not None else torch.ones(len(b.tokens) + 1, vocab, dtype=torch.bool) for b in blocks])
     temperature = torch.tensor(temperatures, dtype=torch.float32).repeat_interleave(widths)
-    alpha = torch.tensor(alphas, dtype=torch.float32).repeat_interleave(widths)[:, None]
     # [P, V]: alpha log p_T + log m (q_loc unnormalised); [P]: log Z
-    scores = alpha * tempered_logprobs_rows(logits, temperature, mask, 0.0 in temperatures)
-    log_z = logsumexp_floored(scores, -1)
+    scores = tempered_logprobs_rows(logits, temperature, mask, 0.0 in temperatures)
+    if any(a != 1.0 for a in alphas):
+        scores = torch.tensor(alphas, dtype=torch.float32).repeat_interleave(widths)[:, None] * scores
+    # a row unmasked at alpha = 1 has q_loc = p_T itself: log Z = 0 (computed only for the others)
+    plain = [b.masks is None and a == 1.0 for b, a in zip(blocks, alphas)]
+    log_z = torch.zeros(count)
+    if not all(plain):
+        log_z = torch.where(torch.tensor(plain).repeat_interleave(widths), 0.0, logsumexp_floored(scores, -1))
     no_mass = log_z == float("-inf")
     # log q_loc at a position; one without mass gets a flat row (its particle's weight, or its
     # request, dies; the draw only keeps shapes)
