@@ -223,7 +223,10 @@ class LlamaCppSequences(Sequences):
         return self.join_many([prompt], [count])[0]
 
     def join_many(self, prompts: list[list[int]], counts: list[int]) -> list[torch.Tensor]:
-        """Add counts[j] rows holding prompts[j], every prompt decoded once in ONE decode.
+        """Add counts[j] rows holding prompts[j], every prompt decoded once, each in a decode of
+        its own: llama.cpp's numerics depend on the batch a token is decoded in (its matrix
+        kernels change with the batch's size), so a prompt decoded beside others gets other
+        logits than alone, and a request's draws would depend on what joined with it.
 
         Returns:
             [V] float32 next-token logits after each prompt.
@@ -236,14 +239,13 @@ class LlamaCppSequences(Sequences):
         lm, trie = self._lm, self._lm.trie
         ids = lm.acquire(sum(counts))
         firsts = np.cumsum([0, *counts[:-1]])
-        tokens = np.concatenate([np.asarray(p, dtype=np.int32) for p in prompts])
-        positions = np.concatenate([np.arange(len(p), dtype=np.int32) for p in prompts])
-        seqs = np.concatenate([np.full(len(p), ids[f], dtype=np.int32) for p, f in zip(prompts, firsts)])
-        # a logits flag on each prompt's last token
-        outputs = np.zeros(len(tokens), dtype=np.int8)
-        outputs[np.cumsum([len(p) for p in prompts]) - 1] = 1
+        logits = []
         try:
-            logits = lm.run(tokens, positions, seqs, outputs)
+            for prompt, first in zip(prompts, firsts.tolist()):
+                # a logits flag on the prompt's last token
+                outputs = np.zeros(len(prompt), dtype=np.int8)
+                outputs[-1] = 1
+                logits += list(lm.run(np.asarray(prompt, dtype=np.int32), np.arange(len(prompt), dtype=np.int32), np.full(len(prompt), ids[first], dtype=np.int32), outputs))
         except BaseException:
             lm.release(ids, [0] * len(ids))
             raise
