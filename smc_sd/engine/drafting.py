@@ -45,7 +45,7 @@ class DrawKeys:
     draws the same tokens alone or among any others.
 
     Attributes:
-        seed, cycle, particle: [N] int64: each row's request seed (`key_seed`), the request's
+        seed, cycle, particle: [N] int64: each row's request seed (`Group.key`), the request's
             cycle and the row's particle index within its request.
     """
 
@@ -80,6 +80,8 @@ class BlockDrafter:
     def __init__(self, temperature: torch.Tensor, greedy: bool, keys: DrawKeys, mask_at=None):
         self.n, self.temperature, self.greedy, self.keys, self.mask_at = temperature.numel(), temperature, greedy, keys, mask_at
         self.drafted, self.logq, self.masks, self.dead = [], [], [], []
+        # the block of the draws so far, stacked once however often it is asked for
+        self._block: DraftBlock | None = None
 
     @staticmethod
     def for_request(temperature: float, key: int, cycle: int, particles: torch.Tensor, mask_at=None) -> "BlockDrafter":
@@ -109,19 +111,24 @@ class BlockDrafter:
         keys = self.keys
         u = keyed_uniform(keys.seed, counter(keys.cycle, keys.particle, len(self.drafted), DRAFT))
         token = tokens_from_uniforms(logq_next, u)
+        self._block = None
         self.drafted.append(token)
         self.logq.append(logq_next)
         return token
 
     def block(self, vocab_size: int) -> DraftBlock:
         """The tokens drawn so far (K = the number of `draw` calls, possibly 0) as a DraftBlock."""
+        if self._block is not None:
+            return self._block
         if not self.drafted:
-            return DraftBlock(torch.empty(self.n, 0, dtype=torch.long), torch.empty(self.n, 0, vocab_size))
-        if self.mask_at is None:
-            return DraftBlock(torch.stack(self.drafted, 1), torch.stack(self.logq, 1))
-        return DraftBlock(
-            torch.stack(self.drafted, 1), torch.stack(self.logq, 1), torch.stack(self.masks, 1), torch.stack(self.dead, 1)
-        )
+            self._block = DraftBlock(torch.empty(self.n, 0, dtype=torch.long), torch.empty(self.n, 0, vocab_size))
+        elif self.mask_at is None:
+            self._block = DraftBlock(torch.stack(self.drafted, 1), torch.stack(self.logq, 1))
+        else:
+            self._block = DraftBlock(
+                torch.stack(self.drafted, 1), torch.stack(self.logq, 1), torch.stack(self.masks, 1), torch.stack(self.dead, 1)
+            )
+        return self._block
 
 
 def block_masks(masker, prefixes: list[list[int]], live: torch.Tensor, eos: int):

@@ -73,9 +73,8 @@ def verify_importance_rows(step: StepRows, packed: torch.Tensor, starts: torch.T
     # [A]: each row's T and alpha
     temperature = torch.tensor(temperatures, dtype=torch.float32)[owner]
     alpha = torch.tensor([g.plan.alpha for g in groups], dtype=torch.float32)[owner]
-    seeds = torch.tensor([g.key for g in groups], dtype=torch.int64)[owner]
-    cycles = torch.tensor([len(g.cycles) for g in groups], dtype=torch.int64)[owner]
-    u = keyed_uniform(seeds, counter(cycles, step.particle[step.active], k, BONUS))
+    keys = step.keys
+    u = keyed_uniform(keys.seed, counter(keys.cycle, keys.particle, k, BONUS))
     tokens, increments = score_rows(logits, temperature, alpha, bonus_mask, block.tokens, block.logq, block.dead, u, 0.0 in temperatures)
     advance_rows(step, tokens, increments, eos)
     return step.unfinished_counts()

@@ -31,6 +31,7 @@ import torch
 
 from smc_sd.engine.keyed_random import ACCEPT, BONUS, counter, keyed_uniform
 from smc_sd.engine.sampling import exp_floored, gather_last, logsumexp_floored, tempered_logprobs_rows, tokens_from_weights
+from smc_sd.engine.smc import block_mask
 
 
 @dataclass
@@ -251,12 +252,10 @@ def append_rows(table, slots: torch.Tensor, generated: list[int], budget: list[i
     new = torch.where(columns[None, :] < j[:, None], torch.cat([drafted, drafted.new_zeros(r, 1)], 1), eos)
     new[torch.arange(r), j] = decisions.emitted
     start = torch.tensor(generated)
-    is_eos = new == eos
-    # tokens appended: through the first EOS, at most j + 1 and at most the budget
-    first_eos = torch.where(is_eos.any(1), is_eos.int().argmax(1), m + 1)
-    count = torch.minimum(torch.minimum(j, first_eos) + 1, torch.tensor(budget))
-    finished = first_eos < count
-    kept = columns[None, :] < count[:, None]
+    # [R, M + 1]: the columns appended: through the first EOS, at most j + 1, within the budget
+    kept = block_mask(new, torch.zeros(r, dtype=torch.bool), eos, torch.tensor(budget)) & (columns[None, :] <= j[:, None])
+    count = kept.sum(1)
+    finished = ((new == eos) & kept).any(1)
     table.tokens[slots[:, None].expand(-1, m + 1)[kept], (start[:, None] + columns)[kept]] = new[kept]
     table.length[slots] = start + count
     table.finished[slots] = finished

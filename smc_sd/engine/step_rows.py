@@ -13,6 +13,7 @@ requests:
 | active    | [N] bool     | unfinished before the cycle (the particles that hold rows)      |
 | live      | [A] int64    | slots[active]: the rows' particles                              |
 | owner     | [A] int64    | request[active]                                                 |
+| keys      | [A] x 3      | each row's request seed, cycle and particle (`DrawKeys`)        |
 
 An unconstrained step drafts for all its rows at once (`drafter`: per-row temperatures, draws
 keyed by request seed, cycle and particle, so each request draws what it draws alone); a
@@ -53,6 +54,7 @@ class StepRows:
     active: torch.Tensor
     live: torch.Tensor
     owner: torch.Tensor
+    keys: DrawKeys
     drafter: BlockDrafter | None = None
 
     @staticmethod
@@ -66,14 +68,15 @@ class StepRows:
         particle = torch.arange(slots.numel()) - torch.tensor([0] + sizes[:-1]).cumsum(0)[request]
         active = ~table.finished[slots]
         owner = request[active]
-        step = StepRows(groups, table, groups[0].draft_len, slots, request, particle, active, slots[active], owner)
+        # [A]: each row's request seed and cycle, and its particle index
+        seeds = torch.tensor([g.key for g in groups], dtype=torch.int64)[owner]
+        cycles = torch.tensor([len(g.cycles) for g in groups], dtype=torch.int64)[owner]
+        keys = DrawKeys(seeds, cycles, particle[active])
+        step = StepRows(groups, table, groups[0].draft_len, slots, request, particle, active, slots[active], owner, keys)
         if joint_drafter and step.draft_len:
             temperatures = [g.plan.draft_temperature for g in groups]
-            # [A]: each row's T_d, its request's seed and cycle
-            temperature = torch.tensor(temperatures, dtype=torch.float32)[owner]
-            seeds = torch.tensor([g.key for g in groups], dtype=torch.int64)[owner]
-            cycles = torch.tensor([len(g.cycles) for g in groups], dtype=torch.int64)[owner]
-            step.drafter = BlockDrafter(temperature, 0.0 in temperatures, DrawKeys(seeds, cycles, particle[active]))
+            # [A]: each row's T_d
+            step.drafter = BlockDrafter(torch.tensor(temperatures, dtype=torch.float32)[owner], 0.0 in temperatures, keys)
         return step
 
     def rows_of(self, row_of: torch.Tensor) -> torch.Tensor:
