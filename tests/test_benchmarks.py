@@ -1,6 +1,7 @@
 """The benchmark scripts' model-free parts run, and the report in docs/results.md renders from their JSON."""
 
 import json
+import os
 import pathlib
 import sys
 
@@ -13,6 +14,7 @@ import accuracy  # noqa: E402  (the benchmark scripts, importable once their fol
 import fidelity  # noqa: E402
 import gpu  # noqa: E402
 import report  # noqa: E402
+import serve  # noqa: E402
 
 
 def test_toy_fidelity_runs_and_exact_sd_is_near_its_floor():
@@ -36,6 +38,16 @@ def test_addition_items_and_grading():
 def test_sd_tokens_per_cycle_formula():
     assert gpu.expected_sd_tokens(0.0, 4) == 1.0
     assert gpu.expected_sd_tokens(0.5, 2) == pytest.approx(1 + 0.5 + 0.25)
+
+
+def test_a_failed_server_names_its_log_and_shows_both_streams():
+    # vLLM logs an engine failure on stdout: the error must show stdout as well as stderr
+    child = "import sys; print('engine core: the cause'); print('api: 500', file=sys.stderr); sys.exit(3)"
+    server = serve.Process([sys.executable, "-c", child], dict(os.environ))
+    server.process.wait(60)
+    message = str(server.failed("row failed"))
+    assert message.startswith(f"row failed (the server's log: {server.log})")
+    assert "engine core: the cause" in message and "api: 500" in message and server.log.is_file()
 
 
 def test_report_renders_from_committed_results():
