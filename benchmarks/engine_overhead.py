@@ -11,6 +11,9 @@ recorded by torch.profiler.
 Reported per (vocabulary, method, R):
 - ms_per_cycle: wall time of `BatchEngine.step` / cycles, over `--cycles` cycles run without
   the profiler (after two warm-up cycles);
+- ms_forward_per_cycle: the part of it spent inside the two models' `forward` (attention, MLP and
+  the output head over the vocabulary: what no engine can skip), and ms_engine_per_cycle the
+  rest (the backend's bookkeeping, masks, drafting draws, verification, resampling);
 - ops_per_cycle: torch operator calls recorded by the profiler per cycle (top-level calls and
   the calls they make: every aten op is a kernel launch or a host step on a GPU);
 - host_syncs_per_cycle: `aten::_local_scalar_dense` calls per cycle (a tensor read as a Python
@@ -107,7 +110,28 @@ def program_for(method: str, target, draft):
     raise ValueError(f"unknown method {method!r}; choose from {', '.join(METHODS)}")
 
 
-def measure(program, particles: int, requests: int, cycles: int, max_tokens: int) -> dict:
+class ForwardClock:
+    """Wall seconds spent inside some models' `forward`, summed while `running`."""
+
+    def __init__(self, lms):
+        self.seconds, self.running = 0.0, False
+        for lm in lms:
+            lm.model.forward = self._timed(lm.model.forward)
+
+    def _timed(self, forward):
+        def timed(*args, **kwargs):
+            if not self.running:
+                return forward(*args, **kwargs)
+            start = time.perf_counter()
+            try:
+                return forward(*args, **kwargs)
+            finally:
+                self.seconds += time.perf_counter() - start
+
+        return timed
+
+
+def measure(program, particles: int, requests: int, cycles: int, max_tokens: int, clock: ForwardClock) -> dict:
     """Run `requests` prompts at once: two warm-up cycles, `cycles` timed ones, `cycles` profiled."""
     schedule = Schedule(particles=particles, max_tokens=max_tokens)
     engine = engine_for(program, max_running=requests, max_waiting=requests, max_slots=requests * particles)
@@ -118,10 +142,12 @@ def measure(program, particles: int, requests: int, cycles: int, max_tokens: int
     for _ in range(2):
         engine.step()
     running = engine.stats()["requests_running"]
+    clock.seconds, clock.running = 0.0, True
     start = time.perf_counter()
     for _ in range(cycles):
         engine.step()
     seconds = time.perf_counter() - start
+    clock.running = False
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         for _ in range(cycles):
             engine.step()
@@ -137,6 +163,8 @@ def measure(program, particles: int, requests: int, cycles: int, max_tokens: int
         "running_at_end": still,
         "cycles": cycles,
         "ms_per_cycle": round(1000 * seconds / cycles, 3),
+        "ms_forward_per_cycle": round(1000 * clock.seconds / cycles, 3),
+        "ms_engine_per_cycle": round(1000 * (seconds - clock.seconds) / cycles, 3),
         "ops_per_cycle": round(ops / cycles, 1),
         "host_syncs_per_cycle": round(syncs / cycles, 1),
     }
@@ -155,13 +183,14 @@ def main() -> None:
     rows = []
     for vocab in (int(v) for v in args.vocab.split(",")):
         target, draft, tokenizer = models(vocab)
+        clock = ForwardClock([target, draft])
         for method in args.methods.split(","):
             if method == "mav-free-json" and tokenizer is None:
                 continue
             program, particles = program_for(method, target, draft)
             base = None
             for requests in (int(r) for r in args.requests.split(",")):
-                row = {"vocab": vocab, "method": method, **measure(program, particles, requests, args.cycles, args.max_tokens)}
+                row = {"vocab": vocab, "method": method, **measure(program, particles, requests, args.cycles, args.max_tokens, clock)}
                 base = base or row["ops_per_cycle"]
                 row["ops_ratio_vs_1"] = round(row["ops_per_cycle"] / base, 2)
                 rows.append(row)

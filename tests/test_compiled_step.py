@@ -2,7 +2,7 @@
 
 Compiled, each as one graph (`fullgraph=True`: a graph break or a host read fails the test) with
 static shapes (`dynamic=False`: each bucket shape is its own graph) by the default inductor
-backend: `importance_step.score_rows` (the verification's scores, bonus draws and weight
+backend: `block_scores.score_rows` (the verification's scores, bonus draws and weight
 increments), `keyed_random.keyed_uniform` (the bonus and resampling uniforms) and
 `resampling.resample_rows` (ESS, the resampling decision, ancestors and the log Z_hat step).
 
@@ -26,8 +26,8 @@ import math
 import pytest
 import torch
 
-from smc_sd.engine.importance_step import score_rows
-from smc_sd.engine.keyed_random import BONUS, RESAMPLE, counter, keyed_uniform
+from smc_sd.engine.block_scores import score_rows
+from smc_sd.engine.keyed_random import BONUS, RESAMPLE, counter, keyed_uniform, seed_key
 from smc_sd.engine.resampling import resample_rows
 
 
@@ -36,33 +36,41 @@ def compiled(fn):
     return torch.compile(fn, backend="inductor", dynamic=False, fullgraph=True)
 
 
-def score_inputs(a: int, k: int, v: int, masked: bool, dead: bool, greedy: bool, seed: int) -> tuple:
+def score_inputs(a: int, k: int, v: int, masked: bool, dead: bool, greedy: bool, plain: bool, seed: int) -> tuple:
     """Random arguments of `score_rows`: A rows, K drafted tokens, V tokens; row 0 greedy when
-    `greedy`, row 1's mask empty when `masked` (it draws unmasked with weight zero)."""
+    `greedy`, row 1's mask empty when `masked` (it draws unmasked with weight zero); `plain`:
+    every T_a 1 (0 on a greedy row) and alpha_a 1, the shortcuts that skip passes."""
     generator = torch.Generator().manual_seed(seed)
     logits = 4 * torch.randn(a, k + 1, v, generator=generator)
     temperature = 0.3 + 1.5 * torch.rand(a, generator=generator)
     if greedy:
         temperature[0] = 0.0
+    # alpha_a != 1 on every row: the powered shortcuts are static, the tensor is what varies
     alpha = 0.5 + torch.rand(a, generator=generator)
     mask = None
     if masked:
         mask = torch.rand(a, v, generator=generator) < 0.3
         mask[1] = False
     drafted = torch.randint(0, v, (a, k), generator=generator)
-    logq = torch.log_softmax(torch.randn(a, k, v, generator=generator), -1)
+    drawn_logq = torch.log_softmax(torch.randn(a, k, v, generator=generator), -1).gather(-1, drafted[..., None]).squeeze(-1)
     dead_positions = torch.rand(a, k, generator=generator) < 0.2 if dead else None
-    seeds = torch.randint(0, 1 << 62, (a,), generator=generator)
-    u = keyed_uniform(seeds, counter(torch.randint(0, 1000, (a,), generator=generator), torch.arange(a), k, BONUS))
-    return logits, temperature, alpha, mask, drafted, logq, dead_positions, u, greedy
+    keys = torch.tensor([seed_key(s) for s in torch.randint(0, 1 << 62, (a,), generator=generator).tolist()])
+    u = keyed_uniform(keys, counter(torch.randint(0, 1000, (a,), generator=generator), torch.arange(a), k, BONUS))
+    # constrained rows always weigh their bonus; other rows when alpha_a != 1
+    weighted = torch.ones(a, dtype=torch.bool) if masked else torch.rand(a, generator=generator) < 0.5
+    if plain:
+        temperature, alpha = torch.where(temperature > 0, 1.0, 0.0), None
+        weighted = weighted if masked else None
+    return logits, temperature, alpha, mask, drafted, drawn_logq, dead_positions, u, weighted, greedy, not plain
 
 
 @pytest.mark.parametrize(
-    "a, k, v, masked, dead, greedy",
-    [(4, 0, 257, False, False, False), (4, 4, 257, True, True, True), (16, 4, 300, False, False, True), (16, 0, 300, True, False, False)],
+    "a, k, v, masked, dead, greedy, plain",
+    [(4, 0, 257, False, False, False, False), (4, 4, 257, True, True, True, False), (16, 4, 300, False, False, True, False),
+     (16, 0, 300, True, False, False, False), (16, 4, 300, False, True, True, True)],
 )
-def test_compiled_score_rows_equals_eager(a, k, v, masked, dead, greedy):
-    args = score_inputs(a, k, v, masked, dead, greedy, seed=a + k)
+def test_compiled_score_rows_equals_eager(a, k, v, masked, dead, greedy, plain):
+    args = score_inputs(a, k, v, masked, dead, greedy, plain, seed=a + k)
     block, increments = score_rows(*args)
     compiled_block, compiled_increments = compiled(score_rows)(*args)
     assert torch.equal(compiled_block, block)
@@ -75,9 +83,9 @@ def test_compiled_score_rows_equals_eager(a, k, v, masked, dead, greedy):
 
 def test_compiled_keyed_uniform_equals_eager():
     generator = torch.Generator().manual_seed(3)
-    seeds = torch.randint(0, 1 << 62, (16, 1), generator=generator)
+    keys = torch.tensor([seed_key(s) for s in torch.randint(0, 1 << 62, (16,), generator=generator).tolist()])[:, None]
     count = counter(torch.randint(0, 1 << 22, (16, 1), generator=generator), torch.arange(8)[None, :], 0, RESAMPLE)
-    assert torch.equal(compiled(keyed_uniform)(seeds, count), keyed_uniform(seeds, count))
+    assert torch.equal(compiled(keyed_uniform)(keys, count), keyed_uniform(keys, count))
 
 
 @pytest.mark.parametrize("g, n", [(4, 4), (16, 8)])

@@ -14,7 +14,7 @@ import math
 
 import torch
 
-from smc_sd.engine.keyed_random import BONUS, RESAMPLE, counter, keyed_uniform
+from smc_sd.engine.keyed_random import BONUS, RESAMPLE, counter, keyed_uniform, seed_key
 from smc_sd.engine.sampling import tempered_logprobs, tempered_logprobs_rows, tokens_from_uniforms
 
 DRAWS = 400_000
@@ -34,7 +34,7 @@ def test_keyed_uniforms_are_uniform_along_every_key_word():
     along = {
         "cycles": keyed_uniform(3, counter(n, 0, 0, BONUS)),
         "particles": keyed_uniform(3, counter(7, n % (1 << 20), n >> 20, BONUS)),
-        "seeds": keyed_uniform(n, counter(0, 0, 0, BONUS)),
+        "seeds": keyed_uniform(torch.tensor([seed_key(s) for s in range(DRAWS)]), counter(0, 0, 0, BONUS)),
         "positions and streams": keyed_uniform(11, counter(n >> 13, 0, (n >> 1) % 4096, BONUS + (n % 2))),
     }
     for name, u in along.items():

@@ -18,7 +18,7 @@ from typing import Callable
 
 import torch
 
-from smc_sd.engine.rows import RowSet
+from smc_sd.engine.rows import RowSet, take_positions
 
 
 @dataclass
@@ -72,13 +72,15 @@ def draft_passes(draft: RowSet, units: list[DraftUnit], eos: int) -> None:
         feed[unit.rows, : tokens.shape[1]] = tokens
         read[unit.rows] = counts
     for j in range(max(u.draft_len for u in live)):
-        # [B_d, V]: the draft's logits after each reading row's last token (others: unused)
-        logits = draft.extend(feed, read)[(read.cumsum(0) - 1).clamp(min=0)]
+        # [B_d]: where each reading row's last token lies in the packed pass (others: unused)
+        last = read.cumsum(0) - 1
+        logits = draft.extend(feed, read)
         feed, read = torch.full((draft.size, 1), eos, dtype=torch.int64), torch.zeros_like(read)
         drawing = [u for u in live if j < u.draft_len]
         live = []
         for unit in drawing:
-            tokens = unit.attempt(unit.draw, logits[unit.rows])
+            # [A, V]: the draft's logits after each of the unit's rows' last token
+            tokens = unit.attempt(unit.draw, take_positions(logits, last[unit.rows]))
             if tokens is None:
                 continue
             feed[unit.rows, 0] = tokens

@@ -15,7 +15,7 @@ import torch
 from smc_sd.constraints.token_constraints import UnsatisfiableConstraintError
 from smc_sd.engine.keyed_random import DRAFT, counter, keyed_uniform
 from smc_sd.engine.masking import masked_logprobs
-from smc_sd.engine.sampling import tempered_logprobs_rows, tokens_from_uniforms
+from smc_sd.engine.sampling import gather_last, scaling, tempered_logprobs_rows, tokens_and_logprobs, tokens_from_uniforms
 
 
 @dataclass
@@ -24,8 +24,12 @@ class DraftBlock:
 
     Attributes:
         tokens: [N, K] int64.
+        drawn_logq: [N, K] float32 log q~(x_k) of each drafted token: what an importance weight
+            reads.
         logq: [N, K, V] float32 log q~ at each drafted position: the draft at temperature T_d,
-            masked by the constraints and renormalised (q itself when unconstrained).
+            masked by the constraints and renormalised (q itself when unconstrained); None
+            unless the drafter keeps it (`BlockDrafter` keep_logq: exact acceptance reads q~
+            whole, importance weights `drawn_logq` alone).
         masks: [N, K, V] bool constraint masks at each position, or None when unconstrained.
         dead: [N, K] bool, positions where q~ does not exist (the mask allowed no token, or only
             tokens of draft probability zero), or None. Their tokens were drawn unmasked and the
@@ -33,9 +37,15 @@ class DraftBlock:
     """
 
     tokens: torch.Tensor
-    logq: torch.Tensor
+    drawn_logq: torch.Tensor
+    logq: torch.Tensor | None = None
     masks: torch.Tensor | None = None
     dead: torch.Tensor | None = None
+
+    @staticmethod
+    def empty(rows: int, vocab_size: int) -> "DraftBlock":
+        """No drafted token (K = 0) for `rows` rows."""
+        return DraftBlock(torch.empty(rows, 0, dtype=torch.long), torch.empty(rows, 0), torch.empty(rows, 0, vocab_size))
 
 
 @dataclass(frozen=True)
@@ -45,7 +55,7 @@ class DrawKeys:
     draws the same tokens alone or among any others.
 
     Attributes:
-        seed, cycle, particle: [N] int64: each row's request seed (`Group.key`), the request's
+        seed, cycle, particle: [N] int64: each row's request key (`Group.key`: `seed_key` of its seed), the request's
             cycle and the row's particle index within its request.
     """
 
@@ -75,21 +85,29 @@ class BlockDrafter:
         keys: the rows' `DrawKeys`.
         mask_at: maps the tokens drafted so far, [N, j] int64, to the constraint mask before
             position j + 1 ([N, V] bool) and its dead rows ([N] bool); None when unconstrained.
+        scaled: whether some row's T_d is neither 0 nor 1 (`sampling.scaling`).
+        keep_logq: whether the block keeps log q~ whole at every position (`DraftBlock.logq`).
     """
 
-    def __init__(self, temperature: torch.Tensor, greedy: bool, keys: DrawKeys, mask_at=None):
+    def __init__(self, temperature: torch.Tensor, greedy: bool, keys: DrawKeys, mask_at=None, scaled: bool = True, keep_logq: bool = False):
         self.n, self.temperature, self.greedy, self.keys, self.mask_at = temperature.numel(), temperature, greedy, keys, mask_at
-        self.drafted, self.logq, self.masks, self.dead = [], [], [], []
+        self.scaled, self.keep_logq = scaled, keep_logq
+        self.drafted, self.drawn_logq, self.logq, self.masks, self.dead = [], [], [], [], []
         # the block of the draws so far, stacked once however often it is asked for
         self._block: DraftBlock | None = None
 
     @staticmethod
-    def for_request(temperature: float, key: int, cycle: int, particles: torch.Tensor, mask_at=None) -> "BlockDrafter":
+    def for_request(temperature: float, key: int, cycle: int, particles: torch.Tensor, mask_at=None, keep_logq: bool = False) -> "BlockDrafter":
         """The drafter of one request's rows: its particles [N] int64 at one cycle, all at T_d."""
-        return BlockDrafter(torch.full(particles.shape, temperature), temperature == 0, DrawKeys.of(key, cycle, particles), mask_at)
+        keys = DrawKeys.of(key, cycle, particles)
+        return BlockDrafter(torch.full(particles.shape, temperature), temperature == 0, keys, mask_at, scaling([temperature]), keep_logq)
 
     def draw(self, logits: torch.Tensor) -> torch.Tensor:
         """Draw the next drafted token of every row.
+
+        Without a mask, at T_d > 0 and when log q~ is not kept whole, the token is drawn from
+        the weights exp(z - max z), z = logits / T_d (`sampling.tokens_and_logprobs`), and its
+        log q is read off their total: no log-softmax over the vocabulary.
 
         Args:
             logits: [N, V] float32 draft logits after the last token fed.
@@ -97,23 +115,30 @@ class BlockDrafter:
         Returns:
             [N] int64 tokens.
         """
-        if self.mask_at is None:
-            # [N, V]: next-token distribution after the last fed token
-            logq_next = tempered_logprobs_rows(logits, self.temperature, greedy=self.greedy)
-        else:
-            # [N, j]: the tokens drafted so far
-            so_far = torch.stack(self.drafted, 1) if self.drafted else torch.empty(self.n, 0, dtype=torch.long)
-            mask, _ = self.mask_at(so_far)
-            # [N, V] q~; rows that are not live have all-one masks, so only live rows can lack mass
-            logq_next, no_mass = masked_logprobs(logits, self.temperature, mask, self.greedy)
-            self.masks.append(mask)
-            self.dead.append(no_mass)
         keys = self.keys
         u = keyed_uniform(keys.seed, counter(keys.cycle, keys.particle, len(self.drafted), DRAFT))
-        token = tokens_from_uniforms(logq_next, u)
+        if self.mask_at is None and not self.greedy and not self.keep_logq:
+            z = logits / self.temperature[:, None] if self.scaled else logits
+            token, drawn = tokens_and_logprobs(z, u)
+        else:
+            if self.mask_at is None:
+                # [N, V]: next-token distribution after the last fed token
+                logq_next = tempered_logprobs_rows(logits, self.temperature, greedy=self.greedy, scaled=self.scaled)
+            else:
+                # [N, j]: the tokens drafted so far
+                so_far = torch.stack(self.drafted, 1) if self.drafted else torch.empty(self.n, 0, dtype=torch.long)
+                mask, _ = self.mask_at(so_far)
+                # [N, V] q~; rows that are not live have all-one masks, so only live rows can lack mass
+                logq_next, no_mass = masked_logprobs(logits, self.temperature, mask, self.greedy)
+                self.masks.append(mask)
+                self.dead.append(no_mass)
+            token = tokens_from_uniforms(logq_next, u)
+            drawn = gather_last(logq_next, token)
+            if self.keep_logq:
+                self.logq.append(logq_next)
         self._block = None
         self.drafted.append(token)
-        self.logq.append(logq_next)
+        self.drawn_logq.append(drawn)
         return token
 
     def block(self, vocab_size: int) -> DraftBlock:
@@ -121,13 +146,12 @@ class BlockDrafter:
         if self._block is not None:
             return self._block
         if not self.drafted:
-            self._block = DraftBlock(torch.empty(self.n, 0, dtype=torch.long), torch.empty(self.n, 0, vocab_size))
-        elif self.mask_at is None:
-            self._block = DraftBlock(torch.stack(self.drafted, 1), torch.stack(self.logq, 1))
+            self._block = DraftBlock.empty(self.n, vocab_size)
         else:
-            self._block = DraftBlock(
-                torch.stack(self.drafted, 1), torch.stack(self.logq, 1), torch.stack(self.masks, 1), torch.stack(self.dead, 1)
-            )
+            logq = torch.stack(self.logq, 1) if self.keep_logq else None
+            self._block = DraftBlock(torch.stack(self.drafted, 1), torch.stack(self.drawn_logq, 1), logq)
+            if self.mask_at is not None:
+                self._block.masks, self._block.dead = torch.stack(self.masks, 1), torch.stack(self.dead, 1)
         return self._block
 
 

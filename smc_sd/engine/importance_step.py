@@ -3,7 +3,7 @@
 The requests whose plans are importance-verified with a draft LM or none (SMC-SD, and `ar` as
 SMC with one particle and K = 0), whose blocks are K drafted tokens and a bonus token, share one
 fixed sequence of tensor operations per cycle, whatever their number (`verify_importance_rows`,
-whose tensor core is `score_rows`):
+whose tensor core is `smc_sd.engine.block_scores.score_rows`):
 
     scores   = alpha_a · log p_{T_a}(. | row a's prefix)             [A, K + 1, V]
     bonus_a  ~ p_{T_a}^alpha_a · m_a / Z_a   (the constraint's mask m_a; unmasked where Z_a = 0)
@@ -31,14 +31,14 @@ of all of them (the rows), K draft length (one value per step), V vocabulary.
 
 from __future__ import annotations
 
-import math
-
 import torch
 
+from smc_sd.engine.block_scores import score_rows
 from smc_sd.engine.drafting import DraftBlock
 from smc_sd.engine.keyed_random import BONUS, RESAMPLE, counter, keyed_uniform
 from smc_sd.engine.resampling import resample_rows
-from smc_sd.engine.sampling import gather_last, logsumexp_floored, tempered_logprobs_rows, tokens_from_uniforms
+from smc_sd.engine.rows import row_logits
+from smc_sd.engine.sampling import scaling
 from smc_sd.engine.smc import block_mask
 from smc_sd.engine.step_rows import StepRows
 
@@ -68,67 +68,22 @@ def verify_importance_rows(step: StepRows, packed: torch.Tensor, starts: torch.T
     # [A]: the target rows of the unfinished particles
     rows = step.rows_of(step.table.target_row)
     # [A, K + 1, V]: each row's logits after its last token and after each drafted token
-    logits = packed[starts[rows][:, None] + torch.arange(k + 1)]
-    temperatures = [g.plan.target_temperature for g in groups]
-    # [A]: each row's T and alpha
+    logits = row_logits(packed, starts, rows, k + 1)
+    temperatures, alphas = [g.plan.target_temperature for g in groups], [g.plan.alpha for g in groups]
+    # [A]: each row's T and alpha (None when every alpha is 1)
     temperature = torch.tensor(temperatures, dtype=torch.float32)[owner]
-    alpha = torch.tensor([g.plan.alpha for g in groups], dtype=torch.float32)[owner]
+    powered = torch.tensor([a != 1 for a in alphas])[owner] if any(a != 1 for a in alphas) else None
+    alpha = None if powered is None else torch.tensor(alphas, dtype=torch.float32)[owner]
+    # [A]: the rows whose bonus normaliser is not 1 by construction: every row of constrained
+    # requests (`bonus_mask` is theirs), else the powered ones
+    weighted_bonus = torch.ones(owner.numel(), dtype=torch.bool) if bonus_mask is not None else powered
     keys = step.keys
     u = keyed_uniform(keys.seed, counter(keys.cycle, keys.particle, k, BONUS))
-    tokens, increments = score_rows(logits, temperature, alpha, bonus_mask, block.tokens, block.logq, block.dead, u, 0.0 in temperatures)
+    tokens, increments = score_rows(
+        logits, temperature, alpha, bonus_mask, block.tokens, block.drawn_logq, block.dead, u, weighted_bonus, 0.0 in temperatures, scaling(temperatures)
+    )
     advance_rows(step, tokens, increments, eos)
     return step.unfinished_counts()
-
-
-def score_rows(logits: torch.Tensor, temperature: torch.Tensor, alpha: torch.Tensor, bonus_mask: torch.Tensor | None, drafted: torch.Tensor, logq: torch.Tensor, dead: torch.Tensor | None, u: torch.Tensor, greedy: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """The tensor core of the verification: every row's block and weight increments, from its
-    logits, settings, drafted tokens and bonus uniform alone (no table, no Python per row).
-
-    With s_a = alpha_a · log p_{T_a} (`tempered_logprobs_rows`; T_a = 0 the greedy point mass)
-    and m_a the bonus mask (all ones when None):
-
-        inc[a, k] = s_a(x_k | after k drafted tokens) - log q~_a(x_k),   k < K
-                    (-inf where dead[a, k]: q~ did not exist there)
-        inc[a, K] = log Z_a,   Z_a = sum_v exp(s_a(v | after K)) m_a(v)   (`logsumexp_floored`)
-        bonus_a   = inverse CDF at u_a of exp(s_a(. | after K)) m_a / Z_a (`tokens_from_uniforms`);
-                    a row whose mask leaves no mass (Z_a = 0) draws unmasked, to keep shapes, and
-                    its inc[a, K] = -inf gives it weight zero.
-
-    Shapes are fixed by the arguments and nothing is read back to the host, so the function can
-    be compiled (`torch.compile`, tests/test_compiled_step.py); the branches are on arguments
-    that are None or not and on `greedy`, static per compiled graph.
-
-    Args:
-        logits: [A, K + 1, V] float32 target logits after each row's last token and after each
-            drafted token.
-        temperature, alpha: [A] float32 each row's target temperature T_a >= 0 and power alpha_a.
-        bonus_mask: [A, V] bool allowed bonus tokens, or None (all allowed).
-        drafted: [A, K] int64 drafted tokens; logq: [A, K, V] float32 log q~ they were drawn
-            from; dead: [A, K] bool or None.
-        u: [A] float64 uniforms on [0, 1), the bonus draws.
-        greedy: whether some T_a is 0 (known from the plans, not read from `temperature`).
-
-    Returns:
-        block [A, K + 1] int64 (the drafted tokens, then the bonus), increments [A, K + 1]
-        float64.
-    """
-    k = drafted.shape[1]
-    # [A, K + 1, V]: alpha log p_T at every position
-    scores = alpha[:, None, None] * tempered_logprobs_rows(logits, temperature, greedy=greedy)
-    bonus_scores = drawn_from = scores[:, k]
-    if bonus_mask is not None:
-        # [A, V]: the bonus token's scores under each row's mask
-        bonus_scores = alpha[:, None] * tempered_logprobs_rows(logits[:, k], temperature, bonus_mask, greedy)
-        # a row the mask leaves without mass draws unmasked, to keep shapes; its weight is zero
-        drawn_from = torch.where(bonus_scores.amax(-1, keepdim=True) > float("-inf"), bonus_scores, drawn_from)
-    bonus = tokens_from_uniforms(drawn_from, u)
-    # [A, K]: each drafted token's score less its draft log-probability
-    drafted_increments = gather_last(scores[:, :k], drafted) - gather_last(logq, drafted)
-    if dead is not None:
-        drafted_increments = drafted_increments.masked_fill(dead, -math.inf)
-    block = torch.cat([drafted, bonus[:, None]], 1)
-    increments = torch.cat([drafted_increments.double(), logsumexp_floored(bonus_scores, -1)[:, None].double()], 1)
-    return block, increments
 
 
 def advance_rows(step: StepRows, block: torch.Tensor, increments: torch.Tensor, eos: int) -> None:

@@ -9,8 +9,10 @@ order of calls to keep).
 H folds the key's four 32-bit halves, one after another, into a 32-bit state with a bijective
 integer mixer (xor-shift and multiply rounds, a bijection of the 32-bit integers with full
 avalanche); one more round from that state gives a second 32-bit word, and the two give the 53
-bits of a float64 in [0, 1). Every product is formed from 16-bit halves, so no int64 operation overflows
-and the values are the same on every backend and device.
+bits of a float64 in [0, 1). The seed's two halves come first, so their fold is a request's key,
+computed once in Python (`seed_key`); each draw folds the counter's two halves from there.
+Every product is formed from 16-bit halves, so no int64 operation overflows and the values are
+the same on every backend and device.
 """
 
 from __future__ import annotations
@@ -35,17 +37,21 @@ COUNTER_BITS = (23, 20, 12, 8)
 
 
 def seed_key(seed: int) -> int:
-    """A request's seed as a key word (in [0, 2^63))."""
-    return seed % (1 << 63)
+    """A request's key: the state of H after folding its seed (taken mod 2^63), in [0, 2^32)."""
+    word, state = seed % (1 << 63), START
+    for half in (word & MASK32, (word >> 32) & MASK32):
+        state = _mix32(state ^ half)
+    return state
 
 
-def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
-    """(x * c) mod 2^32 for int64 x in [0, 2^32), from c's 16-bit halves (no overflow)."""
+def _mul32(x, c: int):
+    """(x * c) mod 2^32 for x in [0, 2^32) (an int64 tensor or an int), from c's 16-bit halves
+    (no overflow)."""
     high, low = c >> 16, c & 0xFFFF
     return ((((x * high) & 0xFFFF) << 16) + x * low) & MASK32
 
 
-def _mix32(x: torch.Tensor) -> torch.Tensor:
+def _mix32(x):
     """A bijection of [0, 2^32) with full avalanche: x ^= x >> 16; x *= c1; x ^= x >> 15;
     x *= c2; x ^= x >> 16 (all mod 2^32)."""
     x = x ^ (x >> 16)
@@ -69,21 +75,19 @@ def counter(cycle, particle, position, stream: int) -> torch.Tensor:
     return word | (torch.as_tensor(particle, dtype=torch.int64) << (q + r)) | (torch.as_tensor(position, dtype=torch.int64) << r) | stream
 
 
-def keyed_uniform(seed: torch.Tensor | int, count: torch.Tensor) -> torch.Tensor:
-    """Uniforms on [0, 1), one per element of the broadcast (seed, count).
+def keyed_uniform(key: torch.Tensor | int, count: torch.Tensor) -> torch.Tensor:
+    """Uniforms on [0, 1), one per element of the broadcast (key, count).
 
     Args:
-        seed: int64 tensor or int in [0, 2^63): the request's seed.
+        key: int64 tensor or int in [0, 2^32): the request's key (`seed_key` of its seed).
         count: int64 tensor of `counter` words.
 
     Returns:
         float64 tensor of the broadcast shape: u = (a · 2^26 + b) / 2^53 with a and b the top
-        27 and 26 bits of the two 32-bit hashes of the key.
+        27 and 26 bits of the two 32-bit hashes of (seed, count).
     """
-    seed, count = torch.broadcast_tensors(torch.as_tensor(seed, dtype=torch.int64), count.to(torch.int64))
-    state = START
-    for word in (seed, count):
-        for half in (word & MASK32, (word >> 32) & MASK32):
-            state = _mix32(state ^ half)
+    state, count = torch.broadcast_tensors(torch.as_tensor(key, dtype=torch.int64), count.to(torch.int64))
+    for half in (count & MASK32, (count >> 32) & MASK32):
+        state = _mix32(state ^ half)
     second = _mix32(state ^ SECOND)
     return ((state >> 5) * (1 << 26) + (second >> 6)).double() / float(1 << 53)

@@ -1,7 +1,8 @@
 """Token-level distributions: tempered log-probabilities and categorical draws.
 
-The draft's q and the target's p are computed by `tempered_logprobs` and nowhere else, so the q
-in every weight and acceptance test is exactly the distribution its token was drawn from.
+The draft's q and the target's p are computed by `tempered_logprobs` (and its row-wise form),
+and a draft token's log q by `tokens_and_logprobs` where no one reads q whole: the q in every
+weight and acceptance test is the distribution its token was drawn from, up to float rounding.
 """
 
 from __future__ import annotations
@@ -52,7 +53,7 @@ def tempered_logprobs(logits: torch.Tensor, temperature: float, mask: torch.Tens
     return logprobs if mask is None else logprobs.masked_fill(~mask, float("-inf"))
 
 
-def tempered_logprobs_rows(logits: torch.Tensor, temperature: torch.Tensor, mask: torch.Tensor | None = None, greedy: bool = False) -> torch.Tensor:
+def tempered_logprobs_rows(logits: torch.Tensor, temperature: torch.Tensor, mask: torch.Tensor | None = None, greedy: bool = False, scaled: bool = True) -> torch.Tensor:
     """`tempered_logprobs` with a temperature per row, in one pass over all rows.
 
     Args:
@@ -61,18 +62,27 @@ def tempered_logprobs_rows(logits: torch.Tensor, temperature: torch.Tensor, mask
         mask: [A, ..., V] bool allowed tokens, or None.
         greedy: whether some T_a is 0 (the caller knows it from the plans, without reading the
             tensor back).
+        scaled: whether some T_a is neither 0 nor 1 (known from the plans). When not, the
+            logits go to the softmax undivided: dividing by 1 leaves a float unchanged, so the
+            result is the same bits without a pass over [A, ..., V].
 
     Returns:
         [A, ..., V] float32: row a is tempered_logprobs(logits[a], T_a, mask[a]).
     """
     # [A, 1, ..., 1]: each row's temperature, 1 where it is 0 (those rows are replaced below)
     t = temperature.view((-1,) + (1,) * (logits.dim() - 1))
-    logprobs = torch.log_softmax(logits.float() / torch.where(t > 0, t, 1.0), dim=-1)
+    logprobs = torch.log_softmax(logits.float() / torch.where(t > 0, t, 1.0) if scaled else logits.float(), dim=-1)
     if mask is not None:
         logprobs = logprobs.masked_fill(~mask, float("-inf"))
     if greedy:
         logprobs = torch.where(t == 0, tempered_logprobs(logits, 0.0, mask), logprobs)
     return logprobs
+
+
+def scaling(temperatures) -> bool:
+    """Whether some temperature of these (Python floats) is neither 0 nor 1: the `scaled` flag of
+    `tempered_logprobs_rows`."""
+    return any(t not in (0.0, 1.0) for t in temperatures)
 
 
 def exp_floored(x: torch.Tensor) -> torch.Tensor:
@@ -83,7 +93,12 @@ def exp_floored(x: torch.Tensor) -> torch.Tensor:
     V entries loses at most V · C of its mass (2e-26 for V = 49,152), far below float32 rounding
     of the total. Every exp it takes is of an argument >= F, on torch's fast path.
     """
-    return x.clamp_min(EXP_FLOOR).exp_().sub_(FLOOR_WEIGHT).clamp_min_(0.0)
+    return exp_floored_(x.clamp_min(EXP_FLOOR))
+
+
+def exp_floored_(x: torch.Tensor) -> torch.Tensor:
+    """`exp_floored` in place, for a tensor the caller made and no longer needs."""
+    return x.clamp_min_(EXP_FLOOR).exp_().sub_(FLOOR_WEIGHT).clamp_min_(0.0)
 
 
 def logsumexp_floored(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
@@ -92,18 +107,17 @@ def logsumexp_floored(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     no finite entry. x holds no NaN or +inf."""
     top = x.amax(dim, keepdim=True)
     top = torch.where(torch.isfinite(top), top, 0.0)
-    return (top + exp_floored(x - top).sum(dim, keepdim=True).log()).squeeze(dim)
+    return (top + exp_floored_(x - top).sum(dim, keepdim=True).log()).squeeze(dim)
 
 
 def sample_tokens(scores: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
     """One draw per row from the distribution ∝ exp(scores), by inverse CDF.
 
     With w = exp(scores - max) (as `exp_floored`: each weight within C ≈ 4e-31 of it, the largest
-    being 1, and exactly 0 where a score is 70 or more below the largest) and the float64 running
-    sum c_j = w_0 + ... + w_j, the draw is the index j with c_{j-1} <= u < c_j for u uniform on
-    [0, c_{V-1}): P(j) = w_j / c_{V-1} up to float64 rounding, and a token of weight zero (an
-    empty step) is never drawn. u is kept below c_{V-1} so that round-off cannot push it past the
-    last token. One pass of exp, one cumulative sum and a binary search: 1.9-8.8x cheaper than
+    being 1, and exactly 0 where a score is 70 or more below the largest), the draw is the
+    inverse CDF of w at a uniform fraction of its total (`tokens_from_weights`): P(j) = w_j / sum w
+    up to float32 rounding of block sums, and a token of weight zero (an empty step) is never
+    drawn. One pass of exp, block sums, small cumulative sums and binary searches: cheaper than
     `torch.multinomial` over 49,152 tokens (`benchmarks/sampling.py`, one thread), and free of
     host synchronisation.
 
@@ -129,32 +143,54 @@ def tokens_from_uniforms(scores: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     Returns:
         [B] int64 token ids.
     """
-    return tokens_from_weights(exp_floored(scores - scores.amax(dim=-1, keepdim=True)), u)
+    return tokens_from_weights(exp_floored_(scores - scores.amax(dim=-1, keepdim=True)), u)[0]
 
 
-def tokens_from_weights(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+def tokens_and_logprobs(scores: torch.Tensor, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`tokens_from_uniforms`' draws and the log-probability of each drawn token, read off the
+    weights' total instead of a log-softmax over the vocabulary:
+
+        log P(x) = scores[x] - m - log sum_v w_v,   w_v = exp_floored(scores[v] - m), m = max
+
+    (the probability the draw gave x, up to float rounding: w_x is within C of exp(scores[x] - m)).
+
+    Args:
+        scores: [B, V] float32 unnormalised log-probabilities; each row has a finite entry.
+        u: [B] float64 uniforms on [0, 1).
+
+    Returns:
+        [B] int64 tokens, [B] float32 their log-probabilities.
+    """
+    top = scores.amax(dim=-1, keepdim=True)
+    tokens, total = tokens_from_weights(exp_floored_(scores - top), u)
+    return tokens, gather_last(scores, tokens) - top.squeeze(-1) - total.log().float()
+
+
+def tokens_from_weights(weights: torch.Tensor, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Row b's token: the inverse CDF of its weights at u[b] · (their total).
 
     The search runs in two levels, so that no [B, V] float64 array is formed: the weights'
-    sums over blocks of BLOCK tokens (float64) and their running sums C_i choose the block i
-    with C_{i-1} <= t < C_i, t = u · total; within it, the float64 running sums c_j of its
-    weights choose the token j with c_{j-1} <= t' < c_j, t' = (t - C_{i-1}) / S_i · c_last (S_i
-    its sum), kept below c_last. So P(block i) = S_i / total and P(j | i) = w_j / c_last: the
-    token's probability is w_j / total up to float64 rounding, and a token of weight zero is
-    never drawn (c_j > c_{j-1} for the token chosen).
+    sums S_i over blocks of BLOCK tokens (float32: a sum of 256 non-negative terms, within
+    255 · 2^-24 < 2^-16 relative of the exact sum, whatever the order of its additions)
+    and their float64 running sums C_i choose the block i with C_{i-1} <= t < C_i,
+    t = u · total; within it, the float64 running sums c_j of its weights choose the token j
+    with c_{j-1} <= t' < c_j, t' = (t - C_{i-1}) / S_i · c_last, kept below c_last. So
+    P(block i) = S_i / total and P(j | i) = w_j / c_last: the token's probability is
+    w_j / total within the block sum's float32 rounding (S_i / c_last), and a token of weight
+    zero is never drawn (c_j > c_{j-1} for the token chosen).
 
     Args:
         weights: [B, V] float32 >= 0; each row has a positive entry.
         u: [B] float64 uniforms on [0, 1).
 
     Returns:
-        [B] int64 token ids.
+        [B] int64 token ids, [B] float64 the weights' totals (sum_i S_i).
     """
     b, v = weights.shape
     # [B, V / BLOCK, BLOCK]: the weights, padded to whole blocks
     blocks = (weights if v % BLOCK == 0 else torch.nn.functional.pad(weights, (0, -v % BLOCK))).view(b, -1, BLOCK)
-    # [B, V / BLOCK] float64: each block's mass and the running sums C_i
-    mass = blocks.sum(-1, dtype=torch.float64)
+    # [B, V / BLOCK]: each block's mass, and the running sums C_i in float64
+    mass = blocks.sum(-1).double()
     cumulative = mass.cumsum(-1)
     total = cumulative[:, -1:]
     t = torch.minimum(u[:, None] * total, torch.nextafter(total, torch.zeros_like(total)))
@@ -165,7 +201,7 @@ def tokens_from_weights(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     inner = blocks.gather(1, block[..., None].expand(-1, -1, BLOCK)).squeeze(1).cumsum(-1, dtype=torch.float64)
     last = inner[:, -1:]
     within = torch.minimum((t - before) / mass.gather(-1, block) * last, torch.nextafter(last, torch.zeros_like(last)))
-    return (block * BLOCK + torch.searchsorted(inner, within, right=True)).squeeze(-1)
+    return (block * BLOCK + torch.searchsorted(inner, within, right=True)).squeeze(-1), total.squeeze(-1)
 
 
 def gather_last(values: torch.Tensor, index: torch.Tensor) -> torch.Tensor:

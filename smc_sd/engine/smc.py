@@ -30,10 +30,11 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from smc_sd.engine.block_scores import score_rows
 from smc_sd.engine.drafting import DraftBlock, block_masks
 from smc_sd.engine.resampling import log_mean_weight, normalised_weights
 from smc_sd.engine.rescoring import rescore, retwist
-from smc_sd.engine.sampling import gather_last, logsumexp_floored, sample_tokens, tempered_logprobs
+from smc_sd.engine.sampling import logsumexp_floored, sample_tokens, scaling, tempered_logprobs
 
 
 @dataclass(frozen=True)
@@ -119,11 +120,12 @@ def cycle_masks(plan, state: Particles, active: torch.Tensor):
 
 
 def verify_block(plan, target_logits: torch.Tensor, draft: DraftBlock, mask_at, generator) -> tuple[torch.Tensor, torch.Tensor]:
-    """Score a drafted block with the target's logits and draw the bonus token.
+    """Score one request's drafted block with the target's logits and draw the bonus token
+    (`smc_sd.engine.block_scores.score_rows`, with uniforms from the request's generator).
 
     With constraints the bonus token is masked (`smc_sd.engine.masking`): a drafted column adds
-    alpha log p_T(x_k) - log q~(x_k), the bonus adds log sum_v p_T(v)^alpha m(v), and a position
-    where q~ does not exist gets -inf.
+    alpha log p_T(x_k) - log q~(x_k), the bonus adds log sum_v p_T(v)^alpha m(v) (0 without a
+    mask at alpha = 1), and a position where q~ does not exist gets -inf.
 
     Args:
         target_logits: [A, K + 1, V] float32 target logits after the unseen token and after
@@ -135,24 +137,16 @@ def verify_block(plan, target_logits: torch.Tensor, draft: DraftBlock, mask_at, 
         block: [A, K + 1] int64 drafted tokens then the bonus token; increments: [A, K + 1]
         float64 their log-weight increments.
     """
-    k = plan.draft_len
-    drafted = draft.tokens
-    # [A, K + 1, V]: alpha log p_T after the unseen token and after each drafted token
-    scores = plan.alpha * tempered_logprobs(target_logits, plan.target_temperature)
-    # [A, V]: the bonus token's scores, masked; a row the mask leaves without mass has an all
-    # -inf row, whose logsumexp zeroes the weight, and draws unmasked to keep shapes static
-    bonus_scores = drawn_from = scores[:, k]
-    if mask_at is not None:
-        bonus_scores = plan.alpha * tempered_logprobs(target_logits[:, k], plan.target_temperature, mask_at(drafted)[0])
-        drawn_from = torch.where(bonus_scores.amax(-1, keepdim=True) > float("-inf"), bonus_scores, drawn_from)
-    bonus = sample_tokens(drawn_from, generator)
-    # [A, K + 1] log-weight increments: drafted columns, then the bonus normaliser
-    increments = torch.cat(
-        [gather_last(scores[:, :k], drafted) - gather_last(draft.logq, drafted), logsumexp_floored(bonus_scores, -1)[:, None]], 1
-    ).double()
-    if draft.dead is not None:
-        increments[:, :k] = increments[:, :k].masked_fill(draft.dead, -math.inf)
-    return torch.cat([drafted, bonus[:, None]], 1), increments
+    drafted, temperature, alpha = draft.tokens, plan.target_temperature, plan.alpha
+    a = drafted.shape[0]
+    mask = None if mask_at is None else mask_at(drafted)[0]
+    # the bonus normaliser is 1 by construction without a mask and with alpha = 1
+    weighted = None if mask is None and alpha == 1 else torch.ones(a, dtype=torch.bool)
+    u = torch.rand(a, generator=generator, dtype=torch.float64, device=target_logits.device)
+    return score_rows(
+        target_logits, torch.full((a,), temperature), None if alpha == 1 else torch.full((a,), float(alpha)), mask, drafted, draft.drawn_logq,
+        draft.dead, u, weighted, temperature == 0, scaling([temperature])
+    )
 
 
 def advance(plan, state: Particles, block: torch.Tensor, increments: torch.Tensor, stops: torch.Tensor | None = None) -> Particles:

@@ -124,7 +124,7 @@ def emit_tokens(logp: torch.Tensor, q: torch.Tensor, u: torch.Tensor) -> torch.T
     residual = (p - q).clamp(min=0.0)
     residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, p)
     residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, 1.0)
-    return tokens_from_weights(residual, u)
+    return tokens_from_weights(residual, u)[0]
 
 
 @dataclass

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import torch
 
 from smc_sd.engine.drafting import BlockDrafter, DraftBlock, DrawKeys
+from smc_sd.engine.sampling import scaling
 from smc_sd.engine.slots import SlotTable
 
 
@@ -76,7 +77,7 @@ class StepRows:
         if joint_drafter and step.draft_len:
             temperatures = [g.plan.draft_temperature for g in groups]
             # [A]: each row's T_d
-            step.drafter = BlockDrafter(torch.tensor(temperatures, dtype=torch.float32)[owner], 0.0 in temperatures, keys)
+            step.drafter = BlockDrafter(torch.tensor(temperatures, dtype=torch.float32)[owner], 0.0 in temperatures, keys, scaled=scaling(temperatures))
         return step
 
     def rows_of(self, row_of: torch.Tensor) -> torch.Tensor:
@@ -102,12 +103,12 @@ class StepRows:
         if self.drafter is not None:
             return self.drafter.block(vocab_size)
         if not self.draft_len:
-            return DraftBlock(torch.empty(self.live.numel(), 0, dtype=torch.long), torch.empty(self.live.numel(), 0, vocab_size))
+            return DraftBlock.empty(self.live.numel(), vocab_size)
         blocks = [g.drafter.block(vocab_size) for g in self.groups]
         dead = None
         if any(b.dead is not None for b in blocks):
             dead = torch.cat([b.dead if b.dead is not None else torch.zeros(b.tokens.shape, dtype=torch.bool) for b in blocks])
-        return DraftBlock(torch.cat([b.tokens for b in blocks]), torch.cat([b.logq for b in blocks]), None, dead)
+        return DraftBlock(torch.cat([b.tokens for b in blocks]), torch.cat([b.drawn_logq for b in blocks]), None, None, dead)
 
     def target_feed(self, block: DraftBlock) -> tuple[torch.Tensor, torch.Tensor]:
         """What each target row reads: its last token and the drafted block ([A, K + 1] int64),
