@@ -17,8 +17,8 @@ Invariants of `HFSequences`:
 
 Weights, activations and KV are in the model's dtype (float32 or bfloat16, `smc_sd.backends.precision`).
 Logits come back as ordinary float32 tensors on the model's device, cast after the LM head
-(forwards run under `torch.no_grad()`, not `torch.inference_mode()`: an inference tensor refuses
-in-place edits outside that mode, so its logits, [T, V] per pass, would have to be copied out).
+(forwards run under `torch.inference_mode()`, whose outputs refuse in-place edits, so they are
+copied out of it).
 """
 
 from __future__ import annotations
@@ -214,7 +214,7 @@ class HFLanguageModel(LanguageModel):
         tokens = torch.tensor([prompt], dtype=torch.long, device=self.device)
         # [1, 1, V]: only the last position's logits are needed
         logits = self._forward(tokens, 0, cache, last_only=True)
-        with torch.no_grad():
+        with torch.inference_mode():
             cache.batch_repeat_interleave(batch_size)
         rows = HFSequences(self, cache, length=len(prompt), batch_size=batch_size)
         return rows, logits[0, -1]
@@ -271,11 +271,11 @@ class HFLanguageModel(LanguageModel):
         return logits[0]
 
     def _logits(self, cache, **inputs) -> torch.Tensor:
-        """The model's logits for these inputs, appending to `cache`: [B, L, V] float32 (the
-        model's own tensor when its dtype is float32)."""
-        with torch.no_grad():
+        """The model's logits for these inputs, appending to `cache`: [B, L, V] float32, copied
+        out of inference mode."""
+        with torch.inference_mode():
             out = self.model(use_cache=True, **inputs, **{self._cache_kwarg: cache})
-        return out.logits.float()
+        return out.logits.to(torch.float32, copy=True)
 
 
 class HFSequences(Sequences):
