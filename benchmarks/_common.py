@@ -130,6 +130,7 @@ def environment() -> dict:
     """Where and when the numbers were measured; `processor` is the CPU's model name and whether
     it has native bf16 matrix instructions (which decide what bfloat16 costs)."""
     from smc_sd.backends.precision import read_processor
+    from smc_sd.host_memory import TORCH_THP_VARIABLE, kernel_thp_mode
 
     processor = read_processor()
     return {
@@ -138,6 +139,9 @@ def environment() -> dict:
         "processor": None if processor is None else processor.to_json(),
         "cpus": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
+        # huge pages under torch's large CPU blocks (smc_sd.host_memory), and whether the kernel grants them
+        "torch_huge_pages": os.environ.get(TORCH_THP_VARIABLE),
+        "kernel_huge_pages": kernel_thp_mode(),
         "torch": torch.__version__,
         "python": platform.python_version(),
         "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,

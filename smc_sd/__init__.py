@@ -6,6 +6,11 @@ torch then), so that `smc-sd --help` and other commands that run no program star
 
 import importlib
 
+from smc_sd.host_memory import prefer_huge_pages
+
+# before torch's first CPU allocation, which reads the setting (smc_sd.host_memory)
+prefer_huge_pages()
+
 # exported name -> the module that defines it. A tutorial or user program needs nothing else:
 # - a program and its parts: Program, Target, Proposal, FreeDraft, Schedule (`smc_sd.program`);
 # - your own factors of the target: TokenConstraint (a 0/1 potential asked for next-token masks),

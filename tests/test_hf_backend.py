@@ -80,8 +80,11 @@ def test_open_logits(default_lm, prompt):
     assert logits.shape == (default_lm.vocabulary.size,) and logits.dtype == torch.float32
     testing.assert_logits_valid(logits)
     assert (rows.batch_size, rows.length) == (3, len(prompt))
-    # logits leave inference mode, so callers may edit them in place
-    logits[0] = 0.0
+    # the forward's own logits, not a copy: an edit in place (which the Sequences contract
+    # forbids) fails loudly instead of changing what another reader sees
+    assert logits.is_inference()
+    with pytest.raises(RuntimeError, match="inference tensor"):
+        logits[0] = 0.0
 
 
 def test_vocabulary(default_lm):

@@ -12,7 +12,9 @@ Dimension letters (see `smc_sd.engine`): B rows, L new tokens, V vocabulary.
 The one primitive is `Sequences.extend(tokens)`: append `tokens` [B, L] to every row and return
 the raw next-token logits after each appended token, [B, L, V] float32: never NaN or +inf, with a
 finite entry in every row; -inf marks a token of probability zero. Temperatures, powers and
-masks are applied by the caller, so a backend never needs to know about them. `select` reorders
+masks are applied by the caller, so a backend never needs to know about them. The caller reads
+the logits and never edits them in place (the hf backend hands over its forward's inference
+tensors, which refuse in-place edits outside `torch.inference_mode`). `select` reorders
 rows (resampling, forking) and `truncate` rolls every row back to a length (exact speculative
 decoding's rejection).
 

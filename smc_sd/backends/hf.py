@@ -16,9 +16,9 @@ Invariants of `HFSequences`:
 - after `close()` the cache is gone and every other method raises ValueError.
 
 Weights, activations and KV are in the model's dtype (float32 or bfloat16, `smc_sd.backends.precision`).
-Logits come back as ordinary float32 tensors on the model's device, cast after the LM head
-(forwards run under `torch.inference_mode()`, whose outputs refuse in-place edits, so they are
-copied out of it).
+Logits come back as float32 tensors on the model's device, cast after the LM head. Forwards run
+under `torch.inference_mode()` and hand over the model's own logits, not a copy: they read like
+any tensor, and an in-place edit of them outside inference mode raises (clone them first).
 """
 
 from __future__ import annotations
@@ -271,11 +271,11 @@ class HFLanguageModel(LanguageModel):
         return logits[0]
 
     def _logits(self, cache, **inputs) -> torch.Tensor:
-        """The model's logits for these inputs, appending to `cache`: [B, L, V] float32, copied
-        out of inference mode."""
+        """The model's logits for these inputs, appending to `cache`: [B, L, V] float32 (an
+        inference tensor)."""
         with torch.inference_mode():
             out = self.model(use_cache=True, **inputs, **{self._cache_kwarg: cache})
-        return out.logits.to(torch.float32, copy=True)
+        return out.logits.float()
 
 
 class HFSequences(Sequences):

@@ -104,11 +104,16 @@ class RowSet:
             self.rows = None
 
 
+def consecutive(index: torch.Tensor) -> bool:
+    """Whether the [A] int64 index runs i, i + 1, ..., i + A - 1 (one host read)."""
+    return bool((index[1:] - index[:-1] == 1).all())
+
+
 def take_positions(packed: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     """packed[positions] ([A, V] from [T, V] and [A] int64), a view when the positions are
     consecutive (the rows of one request, or of requests seated in order): a pass's rows of
     49,152 logits cost a copy of 196 KB each otherwise."""
-    if positions.numel() and bool((positions[1:] - positions[:-1] == 1).all()):
+    if positions.numel() and consecutive(positions):
         first = int(positions[0])
         return packed[first : first + positions.numel()]
     return packed[positions]
@@ -128,7 +133,7 @@ def row_logits(packed: torch.Tensor, starts: torch.Tensor, rows: torch.Tensor, w
         width: columns wanted, at least every row's count.
     """
     begin, counts = starts[rows], starts[rows + 1] - starts[rows]
-    if rows.numel() and bool((counts == width).all()) and bool((rows[1:] - rows[:-1] == 1).all()):
+    if rows.numel() and bool((counts == width).all()) and consecutive(rows):
         first = int(begin[0])
         return packed[first : first + rows.numel() * width].view(rows.numel(), width, -1)
     columns = torch.arange(width)[None, :]
