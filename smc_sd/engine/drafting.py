@@ -51,23 +51,23 @@ class DraftBlock:
 @dataclass(frozen=True)
 class DrawKeys:
     """What keys each row's draws (`smc_sd.engine.keyed_random`): the uniform of row a's j-th
-    drafted token is keyed_uniform(seed[a], counter(cycle[a], particle[a], j, DRAFT)), so a row
-    draws the same tokens alone or among any others.
+    drafted token is keyed_uniform(request_key[a], counter(cycle[a], particle[a], j, DRAFT)), so
+    a row draws the same tokens alone or among any others.
 
     Attributes:
-        seed, cycle, particle: [N] int64: each row's request key (`Group.key`: `seed_key` of its seed), the request's
-            cycle and the row's particle index within its request.
+        request_key, cycle, particle: [N] int64: each row's request key (`Group.key`: `seed_key`
+            of its seed), the request's cycle and the row's particle index within its request.
     """
 
-    seed: torch.Tensor
+    request_key: torch.Tensor
     cycle: torch.Tensor
     particle: torch.Tensor
 
     @staticmethod
-    def of(seed: int, cycle: int, particles: torch.Tensor) -> "DrawKeys":
+    def of(request_key: int, cycle: int, particles: torch.Tensor) -> "DrawKeys":
         """The keys of one request's rows: its particles [N] int64 at one cycle."""
         n = particles.numel()
-        return DrawKeys(torch.full((n,), seed, dtype=torch.int64), torch.full((n,), cycle, dtype=torch.int64), particles)
+        return DrawKeys(torch.full((n,), request_key, dtype=torch.int64), torch.full((n,), cycle, dtype=torch.int64), particles)
 
 
 class BlockDrafter:
@@ -116,7 +116,7 @@ class BlockDrafter:
             [N] int64 tokens.
         """
         keys = self.keys
-        u = keyed_uniform(keys.seed, counter(keys.cycle, keys.particle, len(self.drafted), DRAFT))
+        u = keyed_uniform(keys.request_key, counter(keys.cycle, keys.particle, len(self.drafted), DRAFT))
         if self.mask_at is None and not self.greedy and not self.keep_logq:
             z = logits / self.temperature[:, None] if self.scaled else logits
             token, drawn = tokens_and_logprobs(z, u)

@@ -78,7 +78,7 @@ def verify_importance_rows(step: StepRows, packed: torch.Tensor, starts: torch.T
     # requests (`bonus_mask` is theirs), else the powered ones
     weighted_bonus = torch.ones(owner.numel(), dtype=torch.bool) if bonus_mask is not None else powered
     keys = step.keys
-    u = keyed_uniform(keys.seed, counter(keys.cycle, keys.particle, k, BONUS))
+    u = keyed_uniform(keys.request_key, counter(keys.cycle, keys.particle, k, BONUS))
     tokens, increments = score_rows(
         logits, temperature, alpha, bonus_mask, block.tokens, block.drawn_logq, block.dead, u, weighted_bonus, 0.0 in temperatures, scaling(temperatures)
     )
@@ -139,9 +139,9 @@ def resample_groups(groups: list, table) -> list[tuple[float, bool, float]]:
         members = [i for i, g in enumerate(groups) if g.plan.particles == n]
         # [G_n, N]: the slots of the requests with N particles
         slots = torch.stack([groups[i].slots for i in members])
-        seeds = torch.tensor([groups[i].key for i in members], dtype=torch.int64)[:, None]
+        request_keys = torch.tensor([groups[i].key for i in members], dtype=torch.int64)[:, None]
         cycles = torch.tensor([len(groups[i].cycles) for i in members], dtype=torch.int64)[:, None]
-        u = keyed_uniform(seeds, counter(cycles, torch.arange(n)[None, :], 0, RESAMPLE))
+        u = keyed_uniform(request_keys, counter(cycles, torch.arange(n)[None, :], 0, RESAMPLE))
         plans = [groups[i].plan for i in members]
         ess, resampled, ancestors, steps = resample_rows(table.logw[slots], torch.tensor([p.ess_threshold for p in plans], dtype=torch.float64), [p.resampling for p in plans], u)
         targets.append(slots[resampled].flatten())

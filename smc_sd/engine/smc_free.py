@@ -160,7 +160,7 @@ def extend_free_rows(groups: list, table, packed: torch.Tensor, starts: torch.Te
         terms of their positions, and its log weight before the cycle.
     """
     blocks, temperatures, alphas, seated = [], [], [], []
-    owner, seeds, cycles, particles, slots, generated, budget = [], [], [], [], [], [], []
+    owner, request_keys, cycles, particles, slots, generated, budget = [], [], [], [], [], [], []
     for g in groups:
         c, base = g.cycle, len(blocks)
         for r, d, m in zip(c.distinct, c.drafted, c.masks):
@@ -174,11 +174,11 @@ def extend_free_rows(groups: list, table, packed: torch.Tensor, starts: torch.Te
             slots.append(g.slot_ids[i])
             generated.append(len(g.lists[i]))
             budget.append(g.plan.max_tokens - len(g.lists[i]))
-        seeds += [g.key] * len(c.running)
+        request_keys += [g.key] * len(c.running)
         cycles += [len(g.cycles)] * len(c.running)
     slots_t = torch.tensor(slots)
     before = table.logw[slots_t].tolist()
-    decisions = accept_rows(packed, starts, table.target_row[torch.tensor(seated)], blocks, temperatures, alphas, torch.tensor(owner), torch.tensor(seeds), torch.tensor(cycles), torch.tensor(particles))
+    decisions = accept_rows(packed, starts, table.target_row[torch.tensor(seated)], blocks, temperatures, alphas, torch.tensor(owner), torch.tensor(request_keys), torch.tensor(cycles), torch.tensor(particles))
     new, finished, terms = append_rows(table, slots_t, generated, budget, decisions, groups[0].eos, weighted=True)
     accepted = decisions.accepted.tolist()
     # particles that stop running hold no rows: at EOS (done by append_rows), at the budget, at weight zero

@@ -144,7 +144,7 @@ class Decisions:
     log_z: torch.Tensor
 
 
-def accept_rows(packed: torch.Tensor, starts: torch.Tensor, rows: torch.Tensor, blocks: list[ProposedBlock], temperatures: list[float], alphas: list[float], owner: torch.Tensor, seeds: torch.Tensor, cycles: torch.Tensor, particles: torch.Tensor) -> Decisions:
+def accept_rows(packed: torch.Tensor, starts: torch.Tensor, rows: torch.Tensor, blocks: list[ProposedBlock], temperatures: list[float], alphas: list[float], owner: torch.Tensor, request_keys: torch.Tensor, cycles: torch.Tensor, particles: torch.Tensor) -> Decisions:
     """The accept/reject rule of R particles on the local target q_loc = p_T^alpha m / Z.
 
     Computed rows (U of them, each a target row with its proposal) hold q_loc; particles that
@@ -157,7 +157,7 @@ def accept_rows(packed: torch.Tensor, starts: torch.Tensor, rows: torch.Tensor, 
         blocks: per computed row its ProposedBlock (m_u tokens).
         temperatures, alphas: per computed row T and alpha.
         owner: [R] int64 each particle's computed row.
-        seeds, cycles, particles: [R] int64 each particle's keys.
+        request_keys, cycles, particles: [R] int64 each particle's keys.
 
     Returns:
         the Decisions of every particle.
@@ -210,7 +210,7 @@ def accept_rows(packed: torch.Tensor, starts: torch.Tensor, rows: torch.Tensor, 
     flat = position[:, :m].clamp(max=count - 1)
     log_q_loc = torch.where(inside, scores[flat, drafted] - finite_z[flat], float("-inf"))
     log_ratio = torch.where(no_mass[flat], float("-inf"), log_q_loc - logq_x)[owner]
-    u = keyed_uniform(seeds[:, None], counter(cycles[:, None], particles[:, None], columns[None, :m], ACCEPT))
+    u = keyed_uniform(request_keys[:, None], counter(cycles[:, None], particles[:, None], columns[None, :m], ACCEPT))
     j = first_rejections(log_ratio, lengths[owner], u, None if dead is None else dead[owner])
     rejected = j < lengths[owner]
     # [R, V]: q~ at each rejected position (0 where all were accepted or q~ does not exist)
@@ -229,7 +229,7 @@ def accept_rows(packed: torch.Tensor, starts: torch.Tensor, rows: torch.Tensor, 
     # [R, V]: log q_loc at each particle's emitted position (flat where it has no mass)
     emitted_at = position[owner, j]
     logp = torch.where(no_mass[emitted_at, None], 0.0, scores[emitted_at] - finite_z[emitted_at, None])
-    emitted = emit_tokens(logp, q, keyed_uniform(seeds, counter(cycles, particles, j, BONUS)))
+    emitted = emit_tokens(logp, q, keyed_uniform(request_keys, counter(cycles, particles, j, BONUS)))
     return Decisions(drafted[owner], j, emitted, log_z_rows[owner])
 
 
@@ -285,10 +285,10 @@ def verify_speculative_rows(groups: list, table, packed: torch.Tensor, starts: t
     """
     g = len(groups)
     slots = torch.tensor([gr.slot for gr in groups])
-    seeds = torch.tensor([gr.key for gr in groups], dtype=torch.int64)
+    request_keys = torch.tensor([gr.key for gr in groups], dtype=torch.int64)
     cycles = torch.tensor([len(gr.cycles) for gr in groups], dtype=torch.int64)
     temperatures = [gr.plan.target_temperature for gr in groups]
-    decisions = accept_rows(packed, starts, table.target_row[slots], blocks, temperatures, [gr.plan.alpha for gr in groups], torch.arange(g), seeds, cycles, torch.zeros(g, dtype=torch.int64))
+    decisions = accept_rows(packed, starts, table.target_row[slots], blocks, temperatures, [gr.plan.alpha for gr in groups], torch.arange(g), request_keys, cycles, torch.zeros(g, dtype=torch.int64))
     budget = [gr.plan.max_tokens - gr.generated for gr in groups]
     # p~ without mass where the token is emitted, within the budget: no valid continuation
     dead = ((decisions.log_z[torch.arange(g), decisions.accepted] == float("-inf")) & (decisions.accepted < torch.tensor(budget))).tolist()

@@ -70,9 +70,9 @@ class StepRows:
         active = ~table.finished[slots]
         owner = request[active]
         # [A]: each row's request seed and cycle, and its particle index
-        seeds = torch.tensor([g.key for g in groups], dtype=torch.int64)[owner]
+        request_keys = torch.tensor([g.key for g in groups], dtype=torch.int64)[owner]
         cycles = torch.tensor([len(g.cycles) for g in groups], dtype=torch.int64)[owner]
-        keys = DrawKeys(seeds, cycles, particle[active])
+        keys = DrawKeys(request_keys, cycles, particle[active])
         step = StepRows(groups, table, groups[0].draft_len, slots, request, particle, active, slots[active], owner, keys)
         if joint_drafter and step.draft_len:
             temperatures = [g.plan.draft_temperature for g in groups]
