@@ -9,7 +9,7 @@ import torch
 from smc_sd import AllParticlesDiedError
 from smc_sd.backends.toy import ToyLM
 from smc_sd.engine.sampling import EXP_FLOOR, FLOOR_WEIGHT, exp_floored, logsumexp_floored, sample_tokens, tempered_logprobs
-from smc_sd.engine.speculative_step import emit_tokens, first_rejections
+from smc_sd.engine.speculative_step import emit_past_point_masses, emit_tokens, first_rejections
 from smc_sd.metrics import empirical, total_variation, tv_tolerance
 from smc_sd.program import Schedule
 from smc_sd.constraints.token_constraints import PredicateConstraint
@@ -44,6 +44,32 @@ def test_rejection_with_a_residual_of_no_float32_mass_draws_from_p():
         emitted.append(token)
     exact = dict(enumerate(logp.exp().tolist()))
     assert total_variation(empirical(emitted), exact) < tv_tolerance(exact, n)
+
+
+def test_point_mass_residuals_draw_the_tokens_of_the_dense_residual():
+    # the free draft's path (no [G, V] q) against emit_tokens with q one-hot on the point rows:
+    # rows that drew a bonus (no q), point rows where x has some, little or all of p's mass (the
+    # last leaves no residual: x is drawn back), a point row at a token of probability zero,
+    # and a flat row (a position without mass)
+    generator = torch.Generator().manual_seed(0)
+    v = 40
+    logits = torch.randn(7, v, generator=generator) * 3
+    logits[3] = -math.inf
+    logits[3, 5] = 0.0
+    logits[4, 9] = 30.0
+    logits[5, 11] = -math.inf
+    logp = torch.log_softmax(logits, -1)
+    logp[6] = 0.0
+    token = torch.tensor([0, 2, 7, 5, 9, 11, 3])
+    point = torch.tensor([False, True, True, True, True, True, False])
+    q = torch.zeros(7, v)
+    q[point, token[point]] = 1.0
+    for u in torch.rand(300, generator=generator, dtype=torch.float64).tolist() + [0.0, 1 - 2**-53]:
+        uniforms = torch.full((7,), u, dtype=torch.float64)
+        dense = emit_tokens(logp, q, uniforms)
+        assert torch.equal(emit_past_point_masses(logp.clone(), token, point, uniforms), dense)
+        # the point row whose p is all on x draws x; no point row draws x otherwise
+        assert dense[3] == 5 and dense[1] != 2 and dense[2] != 7 and dense[4] != 9
 
 
 def test_sample_tokens_follows_the_softmax_and_never_draws_probability_zero(monkeypatch):

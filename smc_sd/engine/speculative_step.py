@@ -30,7 +30,8 @@ from dataclasses import dataclass
 import torch
 
 from smc_sd.engine.keyed_random import ACCEPT, BONUS, counter, keyed_uniform
-from smc_sd.engine.sampling import exp_floored, gather_last, logsumexp_floored, tempered_logprobs_rows, tokens_from_weights
+from smc_sd.engine.rows import take_positions
+from smc_sd.engine.sampling import exp_floored, exp_floored_, gather_last, logsumexp_floored, tempered_logprobs_rows, tokens_from_weights
 from smc_sd.engine.smc import block_mask
 
 
@@ -109,11 +110,11 @@ def emit_tokens(logp: torch.Tensor, q: torch.Tensor, u: torch.Tensor) -> torch.T
     q is q~ at a rejected position and 0 after full acceptance (a bonus from p~). A rejection
     needs p~(x) < q~(x), so in exact arithmetic the residual has mass; where float32 leaves it
     none, p~ = q~ to rounding and the law of the emitted token, q~ min(1, p~/q~) + (rejection
-    mass) · residual, is p~'s: the token is drawn from p~. A row where p~ itself has no mass
-    draws uniformly (its request fails; the draw keeps shapes static).
+    mass) · residual, is p~'s: the token is drawn from p~.
 
     Args:
-        logp: [G, V] float32 log p~ at each row's emitted position.
+        logp: [G, V] float32 log p~ at each row's emitted position; each row has mass (an entry
+            above `EXP_FLOOR`: `accept_rows` gives a position without mass a flat row).
         q: [G, V] float32 q~ there (0 for a bonus).
         u: [G] float64 uniforms.
 
@@ -121,10 +122,33 @@ def emit_tokens(logp: torch.Tensor, q: torch.Tensor, u: torch.Tensor) -> torch.T
         [G] int64 tokens.
     """
     p = exp_floored(logp)
-    residual = (p - q).clamp(min=0.0)
-    residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, p)
-    residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, 1.0)
-    return tokens_from_weights(residual, u)[0]
+    residual = (p - q).clamp_min_(0.0)
+    return tokens_from_weights(torch.where(residual.sum(-1, keepdim=True) > 0, residual, p), u)[0]
+
+
+def emit_past_point_masses(logp: torch.Tensor, token: torch.Tensor, point: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """`emit_tokens` where q~ is a point mass 1[token] on the rows `point` and 0 on the others,
+    without forming q: max(0, p~ - 1[x]) is p~ with its entry x set to 0 (p~(x) <= 1), and
+    where that leaves no float32 mass (p~ the point mass on x, to rounding) the row draws from p~
+    itself, as `emit_tokens` does. The weights are the same floats as `emit_tokens`' with the
+    one-hot q, so the tokens are the same.
+
+    Args:
+        logp: [G, V] float32 log p~ (a fresh tensor, overwritten); each row has mass.
+        token: [G] int64 x, the point mass's token (read on the `point` rows only).
+        point: [G] bool the rows whose q~ is 1[x].
+        u: [G] float64 uniforms.
+
+    Returns:
+        [G] int64 tokens.
+    """
+    p = exp_floored_(logp)
+    rows = torch.arange(p.shape[0])
+    at_token = p[rows, token]
+    p[rows, token] = torch.where(point, 0.0, at_token)
+    # a row left without mass is a point row whose p~ was 1[x]: x takes its weight back
+    p[rows, token] = torch.where(point & (p.sum(-1) == 0), at_token, p[rows, token])
+    return tokens_from_weights(p, u)[0]
 
 
 @dataclass
@@ -174,8 +198,9 @@ def accept_rows(packed: torch.Tensor, starts: torch.Tensor, rows: torch.Tensor, 
     count = sum(lengths_list) + u_rows
     at = torch.repeat_interleave(starts[rows] - first, widths) + torch.arange(count)
     position = torch.where(columns[None, :] < widths[:, None], first[:, None] + columns, count)
-    # [P, V]: the logits of those positions only (no padding to the longest proposal)
-    logits = packed[at]
+    # [P, V]: the logits of those positions only (no padding to the longest proposal); a view
+    # where they are consecutive
+    logits = take_positions(packed, at)
     mask = None
     if any(b.masks is not None for b in blocks):
         mask = torch.cat([b.masks if b.masks is not None else torch.ones(len(b.tokens) + 1, vocab, dtype=torch.bool) for b in blocks])
@@ -213,24 +238,28 @@ def accept_rows(packed: torch.Tensor, starts: torch.Tensor, rows: torch.Tensor, 
     u = keyed_uniform(request_keys[:, None], counter(cycles[:, None], particles[:, None], columns[None, :m], ACCEPT))
     j = first_rejections(log_ratio, lengths[owner], u, None if dead is None else dead[owner])
     rejected = j < lengths[owner]
-    # [R, V]: q~ at each rejected position (0 where all were accepted or q~ does not exist)
-    q = torch.zeros(owner.numel(), vocab)
+    # [R]: the particles whose rejected token was proposed by a point mass (a free draft)
     point = rejected & torch.tensor([b.logq is None for b in blocks])[owner]
-    q[point, drafted[owner[point], j[point]]] = 1.0
-    if lm:
-        # LM drafts' q~ rows stacked [sum of their m, V], and where each computed row's begin
-        logq_rows = torch.cat([blocks[i].logq for i in lm])
-        begins = torch.zeros(u_rows, dtype=torch.int64)
-        begins[lm] = torch.tensor([0] + [lengths_list[i] for i in lm][:-1]).cumsum(0)
-        drawn = rejected & ~point
-        if dead is not None:
-            drawn &= ~dead[owner, j.clamp(max=m - 1)]
-        q[drawn] = exp_floored(logq_rows[begins[owner[drawn]] + j[drawn]])
     # [R, V]: log q_loc at each particle's emitted position (flat where it has no mass)
     emitted_at = position[owner, j]
-    logp = torch.where(no_mass[emitted_at, None], 0.0, scores[emitted_at] - finite_z[emitted_at, None])
-    emitted = emit_tokens(logp, q, keyed_uniform(request_keys, counter(cycles, particles, j, BONUS)))
-    return Decisions(drafted[owner], j, emitted, log_z_rows[owner])
+    logp = scores[emitted_at].sub_(finite_z[emitted_at, None]).masked_fill_(no_mass[emitted_at, None], 0.0)
+    u_emit = keyed_uniform(request_keys, counter(cycles, particles, j, BONUS))
+    if not lm:
+        # [R]: the token each particle's draft proposed at j (0 past the block: no point there)
+        at_j = torch.nn.functional.pad(drafted, (0, 1))[owner, j]
+        return Decisions(drafted[owner], j, emit_past_point_masses(logp, at_j, point, u_emit), log_z_rows[owner])
+    # [R, V]: q~ at each rejected position (0 where all were accepted or q~ does not exist)
+    q = torch.zeros(owner.numel(), vocab)
+    q[point, drafted[owner[point], j[point]]] = 1.0
+    # LM drafts' q~ rows stacked [sum of their m, V], and where each computed row's begin
+    logq_rows = torch.cat([blocks[i].logq for i in lm])
+    begins = torch.zeros(u_rows, dtype=torch.int64)
+    begins[lm] = torch.tensor([0] + [lengths_list[i] for i in lm][:-1]).cumsum(0)
+    drawn = rejected & ~point
+    if dead is not None:
+        drawn &= ~dead[owner, j.clamp(max=m - 1)]
+    q[drawn] = exp_floored(logq_rows[begins[owner[drawn]] + j[drawn]])
+    return Decisions(drafted[owner], j, emit_tokens(logp, q, u_emit), log_z_rows[owner])
 
 
 def append_rows(table, slots: torch.Tensor, generated: list[int], budget: list[int], decisions: Decisions, eos: int, weighted: bool) -> tuple[list[list[int]], list[bool], list[list[float]]]:
