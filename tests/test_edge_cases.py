@@ -68,6 +68,8 @@ def test_point_mass_residuals_draw_the_tokens_of_the_dense_residual():
         uniforms = torch.full((7,), u, dtype=torch.float64)
         dense = emit_tokens(logp, q, uniforms)
         assert torch.equal(emit_past_point_masses(logp.clone(), token, point, uniforms), dense)
+        # no point rows at all (no block drafted): every row draws from p~
+        assert torch.equal(emit_past_point_masses(logp.clone(), token, None, uniforms), emit_tokens(logp, torch.zeros(7, v), uniforms))
         # the point row whose p is all on x draws x; no point row draws x otherwise
         assert dense[3] == 5 and dense[1] != 2 and dense[2] != 7 and dense[4] != 9
 

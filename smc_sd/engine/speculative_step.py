@@ -126,7 +126,7 @@ def emit_tokens(logp: torch.Tensor, q: torch.Tensor, u: torch.Tensor) -> torch.T
     return tokens_from_weights(torch.where(residual.sum(-1, keepdim=True) > 0, residual, p), u)[0]
 
 
-def emit_past_point_masses(logp: torch.Tensor, token: torch.Tensor, point: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+def emit_past_point_masses(logp: torch.Tensor, token: torch.Tensor, point: torch.Tensor | None, u: torch.Tensor) -> torch.Tensor:
     """`emit_tokens` where q~ is a point mass 1[token] on the rows `point` and 0 on the others,
     without forming q: max(0, p~ - 1[x]) is p~ with its entry x set to 0 (p~(x) <= 1), and
     where that leaves no float32 mass (p~ the point mass on x, to rounding) the row draws from p~
@@ -136,13 +136,15 @@ def emit_past_point_masses(logp: torch.Tensor, token: torch.Tensor, point: torch
     Args:
         logp: [G, V] float32 log p~ (a fresh tensor, overwritten); each row has mass.
         token: [G] int64 x, the point mass's token (read on the `point` rows only).
-        point: [G] bool the rows whose q~ is 1[x].
+        point: [G] bool the rows whose q~ is 1[x], or None when no row's is (no block drafted).
         u: [G] float64 uniforms.
 
     Returns:
         [G] int64 tokens.
     """
     p = exp_floored_(logp)
+    if point is None:
+        return tokens_from_weights(p, u)[0]
     rows = torch.arange(p.shape[0])
     at_token = p[rows, token]
     p[rows, token] = torch.where(point, 0.0, at_token)
@@ -240,14 +242,15 @@ def accept_rows(packed: torch.Tensor, starts: torch.Tensor, rows: torch.Tensor, 
     rejected = j < lengths[owner]
     # [R]: the particles whose rejected token was proposed by a point mass (a free draft)
     point = rejected & torch.tensor([b.logq is None for b in blocks])[owner]
-    # [R, V]: log q_loc at each particle's emitted position (flat where it has no mass)
+    # [R, V]: log q_loc at each particle's emitted position (flat where it has no mass), formed
+    # in place: in `scores` itself where the positions are consecutive (scores is not read after)
     emitted_at = position[owner, j]
-    logp = scores[emitted_at].sub_(finite_z[emitted_at, None]).masked_fill_(no_mass[emitted_at, None], 0.0)
+    logp = take_positions(scores, emitted_at).sub_(finite_z[emitted_at, None]).masked_fill_(no_mass[emitted_at, None], 0.0)
     u_emit = keyed_uniform(request_keys, counter(cycles, particles, j, BONUS))
     if not lm:
         # [R]: the token each particle's draft proposed at j (0 past the block: no point there)
         at_j = torch.nn.functional.pad(drafted, (0, 1))[owner, j]
-        return Decisions(drafted[owner], j, emit_past_point_masses(logp, at_j, point, u_emit), log_z_rows[owner])
+        return Decisions(drafted[owner], j, emit_past_point_masses(logp, at_j, point if m else None, u_emit), log_z_rows[owner])
     # [R, V]: q~ at each rejected position (0 where all were accepted or q~ does not exist)
     q = torch.zeros(owner.numel(), vocab)
     q[point, drafted[owner[point], j[point]]] = 1.0
