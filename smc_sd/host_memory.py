@@ -7,8 +7,8 @@ most) afresh and unmaps it when freed, so each cycle faults those pages in again
 at a time (15,360 faults for those logits), and the kernel zeroes each. With
 `THP_MEM_ALLOC_ENABLE=1` torch aligns every CPU block of 2 MiB or more to 2 MiB and asks the
 kernel for transparent huge pages there (madvise MADV_HUGEPAGE): the same block faults in 2 MiB
-at a time. On a 2-core Intel Xeon, one thread, the engine's cycle at 16 such requests over a
-nearly free model took 81 ms against 105 (docs/batching.md).
+at a time. docs/batching.md has what that and the uncopied logits save per cycle
+(`benchmarks/engine_overhead.py`, a 2-core Intel Xeon, one thread).
 
 torch reads the variable once, at its first CPU allocation, so `import smc_sd` sets it
 (`prefer_huge_pages`) before smc_sd imports torch. It changes nothing where the environment

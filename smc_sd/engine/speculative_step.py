@@ -134,7 +134,8 @@ def emit_past_point_masses(logp: torch.Tensor, token: torch.Tensor, point: torch
     one-hot q, so the tokens are the same.
 
     Args:
-        logp: [G, V] float32 log p~ (a fresh tensor, overwritten); each row has mass.
+        logp: [G, V] float32 log p~, a tensor the caller no longer reads (overwritten); each
+            row has mass.
         token: [G] int64 x, the point mass's token (read on the `point` rows only).
         point: [G] bool the rows whose q~ is 1[x], or None when no row's is (no block drafted).
         u: [G] float64 uniforms.
@@ -147,9 +148,10 @@ def emit_past_point_masses(logp: torch.Tensor, token: torch.Tensor, point: torch
         return tokens_from_weights(p, u)[0]
     rows = torch.arange(p.shape[0])
     at_token = p[rows, token]
-    p[rows, token] = torch.where(point, 0.0, at_token)
+    kept = torch.where(point, 0.0, at_token)
+    p[rows, token] = kept
     # a row left without mass is a point row whose p~ was 1[x]: x takes its weight back
-    p[rows, token] = torch.where(point & (p.sum(-1) == 0), at_token, p[rows, token])
+    p[rows, token] = torch.where(point & (p.sum(-1) == 0), at_token, kept)
     return tokens_from_weights(p, u)[0]
 
 
@@ -247,13 +249,13 @@ def accept_rows(packed: torch.Tensor, starts: torch.Tensor, rows: torch.Tensor, 
     emitted_at = position[owner, j]
     logp = take_positions(scores, emitted_at).sub_(finite_z[emitted_at, None]).masked_fill_(no_mass[emitted_at, None], 0.0)
     u_emit = keyed_uniform(request_keys, counter(cycles, particles, j, BONUS))
+    # [R]: the token each particle's draft proposed at j (0 past the block: no point there)
+    at_j = torch.nn.functional.pad(drafted, (0, 1))[owner, j]
     if not lm:
-        # [R]: the token each particle's draft proposed at j (0 past the block: no point there)
-        at_j = torch.nn.functional.pad(drafted, (0, 1))[owner, j]
         return Decisions(drafted[owner], j, emit_past_point_masses(logp, at_j, point if m else None, u_emit), log_z_rows[owner])
     # [R, V]: q~ at each rejected position (0 where all were accepted or q~ does not exist)
     q = torch.zeros(owner.numel(), vocab)
-    q[point, drafted[owner[point], j[point]]] = 1.0
+    q[point, at_j[point]] = 1.0
     # LM drafts' q~ rows stacked [sum of their m, V], and where each computed row's begin
     logq_rows = torch.cat([blocks[i].logq for i in lm])
     begins = torch.zeros(u_rows, dtype=torch.int64)
