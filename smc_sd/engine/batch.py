@@ -64,6 +64,7 @@ from smc_sd.engine.importance_step import resample_groups, verify_importance_row
 from smc_sd.engine.requests import Event, Handle, QueueFullError, Request
 from smc_sd.engine.result import CycleStats, Result, kv_memory
 from smc_sd.engine.rows import RowSet, join_groups, note_kv, reseat_groups, row_logits
+from smc_sd.engine.scratch import Scratch
 from smc_sd.engine.slots import SlotTable
 from smc_sd.engine.smc_free import extend_free_rows, free_feed
 from smc_sd.engine.speculative_group import SpeculativeGroup
@@ -135,6 +136,8 @@ class BatchEngine:
         self._wake = threading.Event()
         # cleared at the first join a backend refuses: then one request runs at a time
         self._ragged = True
+        # the cycle's vocabulary-sized blocks, kept from one cycle to the next
+        self._scratch = Scratch()
         self._totals = {"tokens_total": 0, "target_passes_total": 0, "accepted_total": 0, "drafted_total": 0, "resamples_total": 0}
 
     @property
@@ -187,14 +190,16 @@ class BatchEngine:
         Raises:
             the error of a backend pass (the engine is then dead and every request failed).
         """
-        self._guard_backends(self._admit_and_cycle)
+        with self._scratch.in_use():
+            self._guard_backends(self._admit_and_cycle)
         with self._lock:
             return bool(self._running or self._waiting)
 
     def admit(self) -> None:
         """Join the waiting requests there is room for (they draw their first tokens) without
         running a cycle; `step` does this first."""
-        self._guard_backends(self._admit_waiting)
+        with self._scratch.in_use():
+            self._guard_backends(self._admit_waiting)
 
     def _admit_and_cycle(self) -> None:
         self._admit_waiting()

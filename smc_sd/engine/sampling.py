@@ -11,13 +11,15 @@ import math
 
 import torch
 
+from smc_sd.engine import scratch
+
 #: F: below it exp is floored (`exp_floored`). Under about -87.3 a float32 exp is subnormal or 0,
 #: and torch's CPU exp takes a slow path for such arguments (and for -inf): over rows masked to
 #: 1% of the vocabulary it took 12x, over log-probabilities at T = 0.3 71x, as long as over random
 #: logits (`benchmarks/sampling.py`, its `exp` rows: one thread, 16 rows of 49,152).
 #: At -70 every difference of two exps above F is 0 or a normal float32, so no subnormal arises.
 EXP_FLOOR = -70.0
-#: C: above exp(F) by 2^-20 of it, so above any float32 exp(F) within an ulp (2^-23) of exact
+#: C: above exp(F) by 2^-20 of it, so above any float32 exp(F) within a few ulps (2^-23) of exact
 FLOOR_WEIGHT = math.exp(EXP_FLOOR) * (1 + 2**-20)
 #: tokens per block of `tokens_from_uniforms`'s two-level search
 BLOCK = 256
@@ -53,7 +55,7 @@ def tempered_logprobs(logits: torch.Tensor, temperature: float, mask: torch.Tens
     return logprobs if mask is None else logprobs.masked_fill(~mask, float("-inf"))
 
 
-def tempered_logprobs_rows(logits: torch.Tensor, temperature: torch.Tensor, mask: torch.Tensor | None = None, greedy: bool = False, scaled: bool = True) -> torch.Tensor:
+def tempered_logprobs_rows(logits: torch.Tensor, temperature: torch.Tensor, mask: torch.Tensor | None = None, greedy: bool = False, scaled: bool = True, scratch_purpose: str | None = None) -> torch.Tensor:
     """`tempered_logprobs` with a temperature per row, in one pass over all rows.
 
     Args:
@@ -65,13 +67,18 @@ def tempered_logprobs_rows(logits: torch.Tensor, temperature: torch.Tensor, mask
         scaled: whether some T_a is neither 0 nor 1 (known from the plans). When not, the
             logits go to the softmax undivided: dividing by 1 leaves a float unchanged, so the
             result is the same bits without a pass over [A, ..., V].
+        scratch_purpose: when given, the log-softmax is written into the engine's scratch block
+            of that name (`smc_sd.engine.scratch`): the caller lets no view of the result
+            outlive its own call.
 
     Returns:
         [A, ..., V] float32: row a is tempered_logprobs(logits[a], T_a, mask[a]).
     """
     # [A, 1, ..., 1]: each row's temperature, 1 where it is 0 (those rows are replaced below)
     t = temperature.view((-1,) + (1,) * (logits.dim() - 1))
-    logprobs = torch.log_softmax(logits.float() / torch.where(t > 0, t, 1.0) if scaled else logits.float(), dim=-1)
+    tempered = logits.float() / torch.where(t > 0, t, 1.0) if scaled else logits.float()
+    out = None if scratch_purpose is None else scratch.block(scratch_purpose, tempered)
+    logprobs = torch.log_softmax(tempered, dim=-1, out=out)
     if mask is not None:
         logprobs = logprobs.masked_fill(~mask, float("-inf"))
     if greedy:
@@ -86,7 +93,8 @@ def scaling(temperatures) -> bool:
 
 
 def exp_floored(x: torch.Tensor) -> torch.Tensor:
-    """max(0, exp(max(x, F)) - C) elementwise (F = EXP_FLOOR, C = FLOOR_WEIGHT ≈ 4.0e-31).
+    """exp(x) where exp(max(x, F)) > C, else 0, elementwise (F = EXP_FLOOR, C = FLOOR_WEIGHT ≈
+    4.0e-31, above the float32 exp(F)).
 
     It is exactly 0 where x <= F (-inf included), non-decreasing in x, and within C of exp(x)
     everywhere: for log-weights shifted so that their maximum is 0 (the largest weight 1), a row of
@@ -98,7 +106,7 @@ def exp_floored(x: torch.Tensor) -> torch.Tensor:
 
 def exp_floored_(x: torch.Tensor) -> torch.Tensor:
     """`exp_floored` in place, for a tensor the caller made and no longer needs."""
-    return x.clamp_min_(EXP_FLOOR).exp_().sub_(FLOOR_WEIGHT).clamp_min_(0.0)
+    return torch.nn.functional.threshold_(x.clamp_min_(EXP_FLOOR).exp_(), FLOOR_WEIGHT, 0.0)
 
 
 def logsumexp_floored(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
@@ -143,7 +151,7 @@ def tokens_from_uniforms(scores: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     Returns:
         [B] int64 token ids.
     """
-    return tokens_from_weights(exp_floored_(scores - scores.amax(dim=-1, keepdim=True)), u)[0]
+    return tokens_from_weights(exp_floored_(shifted(scores, scores.amax(dim=-1, keepdim=True))), u)[0]
 
 
 def tokens_and_logprobs(scores: torch.Tensor, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -162,8 +170,14 @@ def tokens_and_logprobs(scores: torch.Tensor, u: torch.Tensor) -> tuple[torch.Te
         [B] int64 tokens, [B] float32 their log-probabilities.
     """
     top = scores.amax(dim=-1, keepdim=True)
-    tokens, total = tokens_from_weights(exp_floored_(scores - top), u)
+    tokens, total = tokens_from_weights(exp_floored_(shifted(scores, top)), u)
     return tokens, gather_last(scores, tokens) - top.squeeze(-1) - total.log().float()
+
+
+def shifted(scores: torch.Tensor, top: torch.Tensor) -> torch.Tensor:
+    """scores - top in the engine's scratch block for a draw's weights (`smc_sd.engine.scratch`):
+    the weights die inside `tokens_from_weights`."""
+    return torch.sub(scores, top, out=scratch.block("draw_weights", scores))
 
 
 def tokens_from_weights(weights: torch.Tensor, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -210,7 +210,7 @@ def accept_rows(packed: torch.Tensor, starts: torch.Tensor, rows: torch.Tensor, 
         mask = torch.cat([b.masks if b.masks is not None else torch.ones(len(b.tokens) + 1, vocab, dtype=torch.bool) for b in blocks])
     temperature = torch.tensor(temperatures, dtype=torch.float32).repeat_interleave(widths)
     # [P, V]: alpha log p_T + log m (q_loc unnormalised); [P]: log Z
-    scores = tempered_logprobs_rows(logits, temperature, mask, 0.0 in temperatures)
+    scores = tempered_logprobs_rows(logits, temperature, mask, 0.0 in temperatures, scratch_purpose="accept_logp")
     if any(a != 1.0 for a in alphas):
         scores = torch.tensor(alphas, dtype=torch.float32).repeat_interleave(widths)[:, None] * scores
     # a row unmasked at alpha = 1 has q_loc = p_T itself: log Z = 0 (computed only for the others)
