@@ -77,20 +77,6 @@ def test_shortcuts_are_the_full_passes():
     assert float(full_inc[:, k].abs().max()) < 1e-6
 
 
-def test_plain_rows_skip_the_bonus_log_softmax():
-    # every row unconstrained at alpha = 1 and T > 0: the bonus is drawn from the tempered logits,
-    # the increments are the full pass's
-    a, k, v = 8, 3, 700
-    logits, drafted, drawn_logq, u = random_block(a, k, v, seed=5)
-    temperature = 0.3 + torch.rand(a, generator=torch.Generator().manual_seed(6))
-    short_block, short_inc = score_rows(logits, temperature, None, None, drafted, drawn_logq, None, u, None, False, True)
-    full_block, full_inc = score_rows(logits, temperature, torch.ones(a), None, drafted, drawn_logq, None, u, torch.ones(a, dtype=torch.bool), False, True)
-    assert torch.equal(short_block[:, :k], drafted)
-    assert torch.equal(short_block[:, k], tokens_from_uniforms(logits[:, k] / temperature[:, None], u))
-    assert torch.equal(short_inc[:, :k], full_inc[:, :k])
-    assert bool((short_inc[:, k] == 0).all())
-
-
 def test_rows_do_not_depend_on_each_other():
     a, k, v = 12, 4, 600
     logits, drafted, drawn_logq, u = random_block(a, k, v, seed=3)

@@ -38,10 +38,7 @@ def score_rows(logits: torch.Tensor, temperature: torch.Tensor, alpha: torch.Ten
     1): its inc[a, K] is 0, not a float32 logsumexp of a log-softmax (within 1e-7 of 0). alpha
     multiplies the gathered scores and the bonus row only, and a temperature of 1 divides
     nothing: multiplying or dividing a float by 1 leaves it unchanged, so these shortcuts give
-    the same bits as the full passes over [A, K + 1, V]. When every row draws its bonus from
-    p_{T_a} itself at T_a > 0 (`plain`), the bonus is drawn from z_a = logits_a / T_a, which
-    differs from log p_{T_a} by a constant per row (the same distribution; the draw's shift to
-    its maximum rounds differently), and the log-softmax covers the K drafted positions only.
+    the same bits as the full passes over [A, K + 1, V].
 
     Shapes are fixed by the arguments and nothing is read back to the host, so the function can
     be compiled (`torch.compile`, tests/test_compiled_step.py); the branches are on arguments
@@ -66,13 +63,10 @@ def score_rows(logits: torch.Tensor, temperature: torch.Tensor, alpha: torch.Ten
         float64.
     """
     k = drafted.shape[1]
-    plain = alpha is None and bonus_mask is None and weighted_bonus is None and not greedy
-    # [A, K + 1, V]: log p_T at every position ([A, K, V] the drafted ones, when plain)
-    logp = tempered_logprobs_rows(logits[:, :k] if plain else logits, temperature, greedy=greedy, scaled=scaled, scratch_purpose="block_logp")
-    if plain:
-        bonus_scores = drawn_from = logits[:, k] / temperature[:, None] if scaled else logits[:, k]
-    else:
-        bonus_scores = drawn_from = logp[:, k] if alpha is None else alpha[:, None] * logp[:, k]
+    # [A, K + 1, V]: log p_T at every position (one contiguous pass: a log-softmax of the
+    # drafted positions alone, a strided view, would copy them first)
+    logp = tempered_logprobs_rows(logits, temperature, greedy=greedy, scaled=scaled, scratch_purpose="block_logp")
+    bonus_scores = drawn_from = logp[:, k] if alpha is None else alpha[:, None] * logp[:, k]
     if bonus_mask is not None:
         # [A, V]: the bonus token's scores under each row's mask
         masked = tempered_logprobs_rows(logits[:, k], temperature, bonus_mask, greedy, scaled)
