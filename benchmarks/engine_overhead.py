@@ -21,13 +21,18 @@ Reported per (vocabulary, method, R):
   reads are not aten ops and are not counted;
 - ops_ratio_vs_1: ops_per_cycle / the same method's ops_per_cycle at R = 1.
 
+With `--compile-step` each method also runs on an engine that compiles its step
+(`BatchEngine(compile_step=True)`, `smc_sd.engine.kernels`), rows marked `"compile_step": true`
+beside the eager ones of the same run; the compiling happens in the warm-up cycles.
+
 Methods: ar; sd with the free draft; mask-at-verify with the free draft under a JSON schema
 (49,152 only: the schema needs the real tokenizer); smc-sd N=4 K=4 with an LM draft (a second
 random one-layer model); smc-sd N=4 with the free draft.
 
 The torch thread count is 1. Usage:
     python benchmarks/engine_overhead.py [--requests 1,16,64] [--vocab 49152,128256]
-        [--methods ar,sd-free,mav-free-json,smc-sd,smc-sd-free] [--cycles 8] [--no-write]
+        [--methods ar,sd-free,mav-free-json,smc-sd,smc-sd-free] [--cycles 8] [--compile-step]
+        [--no-write]
 """
 
 from __future__ import annotations
@@ -131,10 +136,10 @@ class ForwardClock:
         return timed
 
 
-def measure(program, particles: int, requests: int, cycles: int, max_tokens: int, clock: ForwardClock) -> dict:
+def measure(program, particles: int, requests: int, cycles: int, max_tokens: int, clock: ForwardClock, compile_step: bool) -> dict:
     """Run `requests` prompts at once: two warm-up cycles, `cycles` timed ones, `cycles` profiled."""
     schedule = Schedule(particles=particles, max_tokens=max_tokens)
-    engine = engine_for(program, max_running=requests, max_waiting=requests, max_slots=requests * particles)
+    engine = engine_for(program, max_running=requests, max_waiting=requests, max_slots=requests * particles, compile_step=compile_step)
     generator = torch.Generator().manual_seed(0)
     for seed in range(requests):
         prompt = torch.randint(1, 1000, (12,), generator=generator).tolist()
@@ -159,6 +164,7 @@ def measure(program, particles: int, requests: int, cycles: int, max_tokens: int
         pass
     return {
         "requests": requests,
+        "compile_step": compile_step,
         "running_at_start": running,
         "running_at_end": still,
         "cycles": cycles,
@@ -177,6 +183,7 @@ def main() -> None:
     parser.add_argument("--methods", default=",".join(METHODS))
     parser.add_argument("--cycles", type=int, default=4)
     parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--compile-step", action="store_true", help="also run each method with the engine's compiled step")
     parser.add_argument("--no-write", action="store_true")
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -188,13 +195,14 @@ def main() -> None:
             if method == "mav-free-json" and tokenizer is None:
                 continue
             program, particles = program_for(method, target, draft)
-            base = None
-            for requests in (int(r) for r in args.requests.split(",")):
-                row = {"vocab": vocab, "method": method, **measure(program, particles, requests, args.cycles, args.max_tokens, clock)}
-                base = base or row["ops_per_cycle"]
-                row["ops_ratio_vs_1"] = round(row["ops_per_cycle"] / base, 2)
-                rows.append(row)
-                print(row, flush=True)
+            for compile_step in (False, True) if args.compile_step else (False,):
+                base = None
+                for requests in (int(r) for r in args.requests.split(",")):
+                    row = {"vocab": vocab, "method": method, **measure(program, particles, requests, args.cycles, args.max_tokens, clock, compile_step)}
+                    base = base or row["ops_per_cycle"]
+                    row["ops_ratio_vs_1"] = round(row["ops_per_cycle"] / base, 2)
+                    rows.append(row)
+                    print(row, flush=True)
     emit("engine_overhead", {"environment": environment(), "threads": 1, "rows": rows}, write=not args.no_write)
 
 

@@ -11,6 +11,12 @@ masked to 1% of the tokens (the rest -inf, as under a constraint); log-probabili
 logits at scale 10 (most entries below the floor, -70). Reported per kind: median milliseconds of each and
 torch_over_floored.
 
+`scratch` times the vocabulary-sized intermediates of a cycle written into fresh memory (outside an
+engine cycle) against the engine's scratch blocks kept from one call to the next
+(`smc_sd.engine.scratch`): a draft step's draw and log q over 64 rows (`tokens_and_logprobs`,
+16 requests of N = 4) and the log-softmax of their verification's [64, 5, V] logits. Reported
+per kind: median milliseconds of each and fresh_over_scratch.
+
 Usage: OMP_NUM_THREADS=1 python benchmarks/sampling.py [--repeats 40] [--no-write]
 """
 
@@ -74,6 +80,28 @@ def exp_rows(repeats: int) -> list[dict]:
     return rows
 
 
+def scratch_rows(repeats: int) -> list[dict]:
+    """A draw and a block's log-softmax in fresh memory against the engine's scratch blocks."""
+    from smc_sd.engine.keyed_random import BONUS, counter, keyed_uniform
+    from smc_sd.engine.sampling import tempered_logprobs_rows, tokens_and_logprobs
+    from smc_sd.engine.scratch import Scratch
+
+    generator = torch.Generator().manual_seed(1)
+    draft = 3 * torch.randn(64, VOCABULARY, generator=generator)
+    block = 3 * torch.randn(64, 5, VOCABULARY, generator=generator)
+    u = keyed_uniform(3, counter(0, torch.arange(64), 0, BONUS))
+    ones = torch.ones(64)
+    kinds = {"draw 64 rows": (draft, lambda x, _: tokens_and_logprobs(x, u)),
+             "log-softmax [64, 5, V]": (block, lambda x, _: tempered_logprobs_rows(x, ones, scaled=False, scratch_purpose="block_logp"))}
+    rows = []
+    for kind, (scores, call) in kinds.items():
+        fresh_ms = median_ms(call, scores, repeats)
+        with Scratch().in_use():
+            scratch_ms = median_ms(call, scores, repeats)
+        rows.append({"kind": kind, "fresh_ms": fresh_ms, "scratch_ms": scratch_ms, "fresh_over_scratch": fresh_ms / scratch_ms})
+    return rows
+
+
 def main(argv: list[str] | None = None) -> dict:
     from smc_sd.engine.sampling import sample_tokens
 
@@ -89,7 +117,7 @@ def main(argv: list[str] | None = None) -> dict:
         rows.append({"rows": batch, "inverse_cdf_ms": inverse_cdf, "multinomial_ms": former,
                      "multinomial_over_inverse_cdf": former / inverse_cdf})
     data = {"benchmark": "sampling", "vocabulary": VOCABULARY, "repeats": args.repeats,
-            "environment": environment(), "rows": rows, "exp": exp_rows(args.repeats)}
+            "environment": environment(), "rows": rows, "exp": exp_rows(args.repeats), "scratch": scratch_rows(args.repeats)}
     emit("sampling", data, write=not args.no_write)
     return data
 

@@ -47,10 +47,12 @@ def run(program, prompt: str | list[int], schedule, seed: int = 0, on_cycle: Cal
     return warn_if_incomplete(handle.result(), schedule.max_tokens)
 
 
-def run_many(program, prompts: list[str | list[int]], schedule, seeds: list[int] | None = None, max_running: int = 32, raw: bool = False) -> list[Result]:
+def run_many(program, prompts: list[str | list[int]], schedule, seeds: list[int] | None = None, max_running: int = 32, raw: bool = False, compile_step: bool = False) -> list[Result]:
     """Run a program on many prompts in one batch: result i is what `run(program, prompts[i],
     schedule, seeds[i], raw=raw)` returns (seeds default to 0, `run`'s default); the particles of
-    up to `max_running` prompts share every target and draft pass.
+    up to `max_running` prompts share every target and draft pass. With `compile_step` the
+    engine's verification scores and draft draws run compiled (`smc_sd.engine.kernels`): the
+    same tokens, weights within float32 rounding.
 
     Raises:
         the first failure among the requests, after all of them have ended.
@@ -62,14 +64,14 @@ def run_many(program, prompts: list[str | list[int]], schedule, seeds: list[int]
     if len(seeds) != len(prompts):
         raise ValueError(f"{len(seeds)} seeds for {len(prompts)} prompts")
     ids = [prompt_token_ids(program.target.lm, prompt, raw) for prompt in prompts]
-    engine = engine_for(program, max_running=max_running, max_waiting=len(prompts), max_slots=max_running * schedule.particles)
+    engine = engine_for(program, max_running=max_running, max_waiting=len(prompts), max_slots=max_running * schedule.particles, compile_step=compile_step)
     handles = [engine.submit(Request(p, program, schedule, s)) for p, s in zip(ids, seeds)]
     while engine.step():
         pass
     return [warn_if_incomplete(handle.result(), schedule.max_tokens) for handle in handles]
 
 
-def engine_for(program, max_running: int, max_waiting: int, max_slots: int) -> BatchEngine:
+def engine_for(program, max_running: int, max_waiting: int, max_slots: int, compile_step: bool = False) -> BatchEngine:
     """A batched engine over the program's target and draft model (if any)."""
     draft = program.proposal.lm if program.proposal is not None else None
-    return BatchEngine(program.target.lm, draft, max_running=max_running, max_waiting=max_waiting, max_slots=max_slots)
+    return BatchEngine(program.target.lm, draft, max_running=max_running, max_waiting=max_waiting, max_slots=max_slots, compile_step=compile_step)

@@ -89,6 +89,7 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--port", type=int, default=8000, help="port to listen on (0: one the OS chooses, printed at start)")
     v.add_argument("--max-running", type=int, default=16, help="requests whose particles share the batch (default 16)")
     v.add_argument("--max-waiting", type=int, default=256, help="requests queued behind them; past it a request gets 429 (default 256)")
+    v.add_argument("--compile-step", action="store_true", help="run the engine's verification scores and draft draws through torch.compile (each kind compiles at its first cycle)")
     v.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"], help="uvicorn's log level (info logs every request)")
     add_model_flags(v)
     # the server loads the draft too: requests choose their method

@@ -19,3 +19,14 @@ def default_draft():
     from smc_sd.backends.hf import HFLanguageModel
 
     return HFLanguageModel.default_draft()
+
+
+@pytest.fixture(scope="module")
+def fresh_dynamo():
+    """A module that compiles starts and ends with no compiled code: dynamo keeps at most 8
+    graphs per function and runs it eagerly past that, which `fullgraph=True` refuses."""
+    import torch
+
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()

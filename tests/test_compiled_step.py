@@ -30,6 +30,8 @@ from smc_sd.engine.block_scores import score_rows
 from smc_sd.engine.keyed_random import BONUS, RESAMPLE, counter, keyed_uniform, seed_key
 from smc_sd.engine.resampling import resample_rows
 
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")
+
 
 def compiled(fn):
     """fn compiled by inductor as one static-shape graph."""

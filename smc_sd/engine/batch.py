@@ -50,6 +50,7 @@ from __future__ import annotations
 import math
 import threading
 from collections import deque
+from contextlib import contextmanager
 from concurrent.futures import CancelledError
 from dataclasses import dataclass
 from typing import Callable
@@ -61,6 +62,7 @@ from smc_sd.engine.draft_passes import DraftUnit, draft_passes
 from smc_sd.engine.free_groups import FreeImportanceGroup
 from smc_sd.engine.groups import Group, ImportanceGroup
 from smc_sd.engine.importance_step import resample_groups, verify_importance_rows
+from smc_sd.engine.kernels import StepKernels
 from smc_sd.engine.requests import Event, Handle, QueueFullError, Request
 from smc_sd.engine.result import CycleStats, Result, kv_memory
 from smc_sd.engine.rows import RowSet, join_groups, note_kv, reseat_groups, row_logits
@@ -115,9 +117,11 @@ class BatchEngine:
         max_waiting: requests queued, at most (`submit` raises QueueFullError past it).
         max_slots: particles of all running requests together, at most (default
             max_running · SLOTS_PER_REQUEST).
+        compile_step: run the cycle's verification scores and draft draws through
+            `torch.compile` (`smc_sd.engine.kernels`); each kind compiles at its first cycle.
     """
 
-    def __init__(self, target: LanguageModel, draft: LanguageModel | list[LanguageModel] | None, max_running: int = 16, max_waiting: int = 256, max_slots: int | None = None):
+    def __init__(self, target: LanguageModel, draft: LanguageModel | list[LanguageModel] | None, max_running: int = 16, max_waiting: int = 256, max_slots: int | None = None, compile_step: bool = False):
         if max_running < 1 or max_waiting < 0:
             raise ValueError(f"max_running must be >= 1 and max_waiting >= 0, got {max_running} and {max_waiting}")
         drafts = [] if draft is None else list(draft) if isinstance(draft, (list, tuple)) else [draft]
@@ -138,6 +142,7 @@ class BatchEngine:
         self._ragged = True
         # the cycle's vocabulary-sized blocks, kept from one cycle to the next
         self._scratch = Scratch()
+        self._kernels = StepKernels.of(compile_step)
         self._totals = {"tokens_total": 0, "target_passes_total": 0, "accepted_total": 0, "drafted_total": 0, "resamples_total": 0}
 
     @property
@@ -190,7 +195,7 @@ class BatchEngine:
         Raises:
             the error of a backend pass (the engine is then dead and every request failed).
         """
-        with self._scratch.in_use():
+        with self._in_cycle():
             self._guard_backends(self._admit_and_cycle)
         with self._lock:
             return bool(self._running or self._waiting)
@@ -198,8 +203,14 @@ class BatchEngine:
     def admit(self) -> None:
         """Join the waiting requests there is room for (they draw their first tokens) without
         running a cycle; `step` does this first."""
-        with self._scratch.in_use():
+        with self._in_cycle():
             self._guard_backends(self._admit_waiting)
+
+    @contextmanager
+    def _in_cycle(self):
+        """The engine's scratch blocks and kernels in use for the block's duration."""
+        with self._scratch.in_use(), self._kernels.in_use():
+            yield
 
     def _admit_and_cycle(self) -> None:
         self._admit_waiting()

@@ -15,7 +15,8 @@ import torch
 from smc_sd.constraints.token_constraints import UnsatisfiableConstraintError
 from smc_sd.engine.keyed_random import DRAFT, counter, keyed_uniform
 from smc_sd.engine.masking import masked_logprobs
-from smc_sd.engine.sampling import gather_last, scaling, tempered_logprobs_rows, tokens_and_logprobs, tokens_from_uniforms
+from smc_sd.engine import kernels
+from smc_sd.engine.sampling import gather_last, scaling, tempered_logprobs_rows, tokens_from_uniforms
 
 
 @dataclass
@@ -119,7 +120,7 @@ class BlockDrafter:
         u = keyed_uniform(keys.request_key, counter(keys.cycle, keys.particle, len(self.drafted), DRAFT))
         if self.mask_at is None and not self.greedy and not self.keep_logq:
             z = logits / self.temperature[:, None] if self.scaled else logits
-            token, drawn = tokens_and_logprobs(z, u)
+            token, drawn = kernels.current().tokens_and_logprobs(z, u)
         else:
             if self.mask_at is None:
                 # [N, V]: next-token distribution after the last fed token

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import torch
 
-from smc_sd.engine.block_scores import score_rows
+from smc_sd.engine import kernels
 from smc_sd.engine.drafting import DraftBlock
 from smc_sd.engine.keyed_random import BONUS, RESAMPLE, counter, keyed_uniform
 from smc_sd.engine.resampling import resample_rows
@@ -79,7 +79,7 @@ def verify_importance_rows(step: StepRows, packed: torch.Tensor, starts: torch.T
     weighted_bonus = torch.ones(owner.numel(), dtype=torch.bool) if bonus_mask is not None else powered
     keys = step.keys
     u = keyed_uniform(keys.request_key, counter(keys.cycle, keys.particle, k, BONUS))
-    tokens, increments = score_rows(
+    tokens, increments = kernels.current().score_rows(
         logits, temperature, alpha, bonus_mask, block.tokens, block.drawn_logq, block.dead, u, weighted_bonus, 0.0 in temperatures, scaling(temperatures)
     )
     advance_rows(step, tokens, increments, eos)

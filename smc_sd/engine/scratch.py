@@ -6,8 +6,9 @@ draw (`sampling.tokens_from_uniforms`), the target's log-probabilities of an imp
 On a CPU each fresh block is faulted in page by page (12.6 MB at R = 64, V = 49,152; 63 MB for
 an smc-sd N = 4, K = 4 block of 16 requests), and glibc returns blocks that large to the kernel
 when they are freed, so every cycle pays the faults again. Writing into a block kept from the
-last cycle does not: one thread, [64, 49,152], a draw's weights took 2.7 ms instead of 3.3 ms and
-a log-softmax over [64, 5, 49,152] 8.3 ms instead of 10.5 ms (huge pages on in both).
+last cycle does not (`benchmarks/sampling.py`, its `scratch` rows: one thread, huge pages on, a
+draw over 64 rows 2.9 ms instead of 3.5 ms, a log-softmax over [64, 5, 49,152] 8.3 ms instead
+of 10.5 ms; `results/sampling.json`).
 
 A `Scratch` belongs to one engine and is in use while its cycle runs (`Scratch.in_use`).
 `block(purpose, ...)` hands out that engine's block for the purpose, grown to the largest shape

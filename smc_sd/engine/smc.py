@@ -30,7 +30,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from smc_sd.engine.block_scores import score_rows
+from smc_sd.engine import kernels
 from smc_sd.engine.drafting import DraftBlock, block_masks
 from smc_sd.engine.resampling import log_mean_weight, normalised_weights
 from smc_sd.engine.rescoring import rescore, retwist
@@ -143,7 +143,7 @@ def verify_block(plan, target_logits: torch.Tensor, draft: DraftBlock, mask_at, 
     # the bonus normaliser is 1 by construction without a mask and with alpha = 1
     weighted = None if mask is None and alpha == 1 else torch.ones(a, dtype=torch.bool)
     u = torch.rand(a, generator=generator, dtype=torch.float64, device=target_logits.device)
-    return score_rows(
+    return kernels.current().score_rows(
         target_logits, torch.full((a,), temperature), None if alpha == 1 else torch.full((a,), float(alpha)), mask, drafted, draft.drawn_logq,
         draft.dead, u, weighted, temperature == 0, scaling([temperature])
     )

@@ -141,15 +141,17 @@ class Program:
         seeds: list[int] | None = None,
         max_running: int = 32,
         raw: bool = False,
+        compile_step: bool = False,
     ) -> list[Result]:
         """Run the program on many prompts in one batch (`smc_sd.api.run_many`): the
         particles of up to `max_running` prompts share every target and draft pass, and
         result i is what `run(prompts[i], schedule, seed=seeds[i], raw=raw)` returns (seeds
-        default to 0; prompts are text or token ids, as for `run`).
+        default to 0; prompts are text or token ids, as for `run`). `compile_step`: the
+        engine's verification scores and draft draws run compiled (`smc_sd.engine.kernels`).
         """
         from smc_sd.api import run_many
 
-        return run_many(self, prompts, schedule, seeds=seeds, max_running=max_running, raw=raw)
+        return run_many(self, prompts, schedule, seeds=seeds, max_running=max_running, raw=raw, compile_step=compile_step)
 
     def smc(
         self,

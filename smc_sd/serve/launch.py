@@ -119,7 +119,7 @@ def serve(args) -> int:
     first = next((name for name in names if name is not None and parse_draft(name).has_lm), names[0])
     target, draft = load_models(argparse.Namespace(**{**vars(args), "draft": first}))
     drafts = load_drafts(args, target, draft)
-    engine = BatchEngine(target, list(drafts.values()), max_running=args.max_running, max_waiting=args.max_waiting)
+    engine = BatchEngine(target, list(drafts.values()), max_running=args.max_running, max_waiting=args.max_waiting, compile_step=args.compile_step)
     name = args.target or MODEL_NAME
     server = Server(engine, target, drafts, name, default_draft="free" if names[0] == "free" else None)
     host, port = sock.getsockname()[:2]
