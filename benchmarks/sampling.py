@@ -84,6 +84,7 @@ def scratch_rows(repeats: int) -> list[dict]:
     """A draw and a block's log-softmax in fresh memory against the engine's scratch blocks."""
     from smc_sd.engine.keyed_random import BONUS, counter, keyed_uniform
     from smc_sd.engine.sampling import tempered_logprobs_rows, tokens_and_logprobs
+    from smc_sd.engine.cycle_locals import lending
     from smc_sd.engine.scratch import Scratch
 
     generator = torch.Generator().manual_seed(1)
@@ -96,7 +97,7 @@ def scratch_rows(repeats: int) -> list[dict]:
     rows = []
     for kind, (scores, call) in kinds.items():
         fresh_ms = median_ms(call, scores, repeats)
-        with Scratch().in_use():
+        with lending(scratch=Scratch()):
             scratch_ms = median_ms(call, scores, repeats)
         rows.append({"kind": kind, "fresh_ms": fresh_ms, "scratch_ms": scratch_ms, "fresh_over_scratch": fresh_ms / scratch_ms})
     return rows

@@ -5,6 +5,7 @@ import torch
 
 from smc_sd.engine import scratch
 from smc_sd.engine.batch import BatchEngine, Request
+from smc_sd.engine.cycle_locals import lending
 from smc_sd.engine.scratch import Scratch
 from smc_sd.program import Schedule
 from smc_sd.programs import smc_speculative
@@ -14,7 +15,7 @@ from tests.toy_programs import PROMPT, target_and_draft
 def test_a_purpose_reuses_its_buffer_and_grows_to_the_largest_shape():
     like = torch.zeros(1)
     own = Scratch()
-    with own.in_use():
+    with lending(scratch=own):
         first = scratch.block("a", like, (4, 8))
         smaller = scratch.block("a", like, (2, 8))
         assert smaller.data_ptr() == first.data_ptr()
@@ -33,17 +34,17 @@ def test_outside_an_engine_cycle_every_block_is_fresh():
     second = scratch.block("a", like)
     assert first.shape == (3, 5) and first.data_ptr() != second.data_ptr()
     own = Scratch()
-    with own.in_use():
+    with lending(scratch=own):
         inside = scratch.block("a", like)
     assert scratch.block("a", like).data_ptr() != inside.data_ptr()
 
 
-def test_nested_scratches_restore_the_outer_one():
+def test_nested_lending_restores_the_outer_scratch():
     like = torch.zeros(2)
     outer, inner = Scratch(), Scratch()
-    with outer.in_use():
+    with lending(scratch=outer):
         a = scratch.block("x", like)
-        with inner.in_use():
+        with lending(scratch=inner):
             assert scratch.block("x", like).data_ptr() != a.data_ptr()
         assert scratch.block("x", like).data_ptr() == a.data_ptr()
 

@@ -50,7 +50,6 @@ from __future__ import annotations
 import math
 import threading
 from collections import deque
-from contextlib import contextmanager
 from concurrent.futures import CancelledError
 from dataclasses import dataclass
 from typing import Callable
@@ -58,6 +57,7 @@ from typing import Callable
 import torch
 
 from smc_sd.backends.base import LanguageModel, check_same_vocabulary
+from smc_sd.engine.cycle_locals import lending
 from smc_sd.engine.draft_passes import DraftUnit, draft_passes
 from smc_sd.engine.free_groups import FreeImportanceGroup
 from smc_sd.engine.groups import Group, ImportanceGroup
@@ -195,7 +195,7 @@ class BatchEngine:
         Raises:
             the error of a backend pass (the engine is then dead and every request failed).
         """
-        with self._in_cycle():
+        with lending(scratch=self._scratch, kernels=self._kernels):
             self._guard_backends(self._admit_and_cycle)
         with self._lock:
             return bool(self._running or self._waiting)
@@ -203,14 +203,8 @@ class BatchEngine:
     def admit(self) -> None:
         """Join the waiting requests there is room for (they draw their first tokens) without
         running a cycle; `step` does this first."""
-        with self._in_cycle():
+        with lending(scratch=self._scratch, kernels=self._kernels):
             self._guard_backends(self._admit_waiting)
-
-    @contextmanager
-    def _in_cycle(self):
-        """The engine's scratch blocks and kernels in use for the block's duration."""
-        with self._scratch.in_use(), self._kernels.in_use():
-            yield
 
     def _admit_and_cycle(self) -> None:
         self._admit_waiting()

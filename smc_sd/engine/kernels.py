@@ -7,8 +7,8 @@ drafted tokens' scores, the bonus draws and the weight increments) and
 each is a sequence of torch operators, every one a pass over memory (on a GPU, a kernel
 launch). Compiled by inductor, each becomes a few fused loops.
 
-An engine built with `compile_step=True` runs its cycles with the compiled functions
-(`StepKernels.in_use`); everywhere else the eager ones run. They are compiled with symbolic
+An engine built with `compile_step=True` lends the compiled functions to its cycles
+(`smc_sd.engine.cycle_locals`); everywhere else the eager ones run. They are compiled with symbolic
 sizes (`dynamic=True`): a graph per combination of the arguments that are None or not and of
 the flags, whatever the number of rows, K or V, so no shape the engine meets compiles again,
 and a row's results do not depend on the rows beside it (`tests/test_kernels.py`). Compiled
@@ -19,17 +19,15 @@ at its first call, seconds on a CPU, once per process.
 
 from __future__ import annotations
 
-import threading
-from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
 from smc_sd.engine.block_scores import score_rows
+from smc_sd.engine.cycle_locals import lent
 from smc_sd.engine.sampling import tokens_and_logprobs
 
-_CURRENT = threading.local()
 _COMPILED: list[StepKernels] = []
 
 
@@ -49,20 +47,10 @@ class StepKernels:
             _COMPILED.append(StepKernels(torch.compile(score_rows, dynamic=True), torch.compile(tokens_and_logprobs, dynamic=True)))
         return _COMPILED[0]
 
-    @contextmanager
-    def in_use(self):
-        """Make these the kernels `current` returns, in this thread, for the block's duration."""
-        previous = getattr(_CURRENT, "kernels", None)
-        _CURRENT.kernels = self
-        try:
-            yield self
-        finally:
-            _CURRENT.kernels = previous
-
 
 EAGER = StepKernels(score_rows, tokens_and_logprobs)
 
 
 def current() -> StepKernels:
     """The running engine's kernels, or the eager ones outside an engine cycle."""
-    return getattr(_CURRENT, "kernels", None) or EAGER
+    return lent("kernels") or EAGER

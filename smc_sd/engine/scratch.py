@@ -10,11 +10,11 @@ last cycle does not (`benchmarks/sampling.py`, its `scratch` rows: one thread, h
 draw over 64 rows 2.9 ms instead of 3.5 ms, a log-softmax over [64, 5, 49,152] 8.3 ms instead
 of 10.5 ms; `results/sampling.json`).
 
-A `Scratch` belongs to one engine and is in use while its cycle runs (`Scratch.in_use`).
-`block(purpose, ...)` hands out that engine's block for the purpose, grown to the largest shape
-asked so far; with no engine cycle running (a request run on its own, a test) or while
-`torch.compile` traces, it allocates a fresh tensor, so a function that asks for a block is
-correct anywhere. A block's contents are undefined: its caller overwrites all of it, and no view
+A `Scratch` belongs to one engine, which lends it to the functions its cycle calls
+(`smc_sd.engine.cycle_locals`). `block(purpose, ...)` hands out that engine's block for the
+purpose, grown to the largest shape asked so far; outside an engine cycle (a function called
+on its own, a test) or while `torch.compile` traces, it allocates a fresh tensor, so a function
+that asks for a block is correct anywhere. A block's contents are undefined: its caller overwrites all of it, and no view
 of it outlives the call that asked for it. Each purpose is asked for by one call site, so two
 live blocks never share memory. The engine holds at most one block per purpose, as large as the
 largest cycle so far, until the engine is freed.
@@ -23,12 +23,10 @@ largest cycle so far, until the engine is freed.
 from __future__ import annotations
 
 import math
-import threading
-from contextlib import contextmanager
 
 import torch
 
-_CURRENT = threading.local()
+from smc_sd.engine.cycle_locals import lent
 
 
 class Scratch:
@@ -36,17 +34,6 @@ class Scratch:
 
     def __init__(self):
         self._buffers: dict[tuple, torch.Tensor] = {}
-
-    @contextmanager
-    def in_use(self):
-        """Make this the scratch that `block` hands out from, in this thread, for the block's
-        duration."""
-        previous = getattr(_CURRENT, "scratch", None)
-        _CURRENT.scratch = self
-        try:
-            yield self
-        finally:
-            _CURRENT.scratch = previous
 
     def take(self, purpose: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """A [shape] view of the purpose's buffer, grown to at least its size."""
@@ -62,7 +49,7 @@ def block(purpose: str, like: torch.Tensor, shape: tuple[int, ...] | None = None
     """A tensor of `like`'s dtype and device (and shape, unless `shape` is given), contents
     undefined: the running engine's scratch block for `purpose`, or fresh memory outside a cycle."""
     shape = tuple(like.shape) if shape is None else shape
-    scratch = getattr(_CURRENT, "scratch", None)
+    scratch = lent("scratch")
     if scratch is None or torch.compiler.is_compiling():
         return torch.empty(shape, dtype=like.dtype, device=like.device)
     return scratch.take(purpose, shape, like.dtype, like.device)
