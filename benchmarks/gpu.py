@@ -30,7 +30,9 @@ included in the timings. Per setting:
 The batched engine (`batched` in the JSON): `Program.run_many` over `--batch` random prompts of
 `--prompt-len` tokens, `--batched-tokens` new tokens each, the same models as paged
 `HFLanguageModel`s (eager: no compile, rows of different lengths packed into one forward), after
-an untimed run of two prompts. Rows: ar on one prompt alone, ar on all, smc-sd N=4 K=4 on all;
+an untimed run of two prompts. Rows: ar on one prompt alone, ar on all, smc-sd N=4 K=4 on all,
+and ar and smc-sd N=4 K=4 on all again with the engine's compiled step (`compile_step=True`:
+the verification scores and draft draws as `torch.compile` graphs, compiled in the untimed run);
 output tokens per second over the wall time (prefill included) and the ratios between them.
 Beside them `bare_pass_ms`: one synchronised [B, 1] target pass on the paged and on the copy cache
 at B = 1 and 16, the backend's cost before the engine's host work (`--host-threads` sets the
@@ -296,20 +298,23 @@ def time_bare_passes(models: dict, vocab: int, prompt: list[int], device: str, i
     return out
 
 
-# the batched engine's rows: (label, method, N, K, how many of the prompts)
-BATCHED = (("ar B=1", "ar", 1, 0, 1), ("ar", "ar", 1, 0, None), ("smc-sd N=4 K=4", "smc-sd", 4, 4, None))
+# the batched engine's rows: (label, method, N, K, how many of the prompts, whether the engine
+# compiles its step: `BatchEngine(compile_step=True)`, smc_sd/engine/kernels.py)
+BATCHED = (("ar B=1", "ar", 1, 0, 1, False), ("ar", "ar", 1, 0, None, False), ("smc-sd N=4 K=4", "smc-sd", 4, 4, None, False),
+           ("ar, compiled step", "ar", 1, 0, None, True), ("smc-sd N=4 K=4, compiled step", "smc-sd", 4, 4, None, True))
 
 
-def time_batched(method: str, target, draft, particles: int, draft_len: int, prompts: list[list[int]], new_tokens: int) -> dict:
-    """`Program.run_many` over all the prompts at once, after an untimed short run over two of them."""
+def time_batched(method: str, target, draft, particles: int, draft_len: int, prompts: list[list[int]], new_tokens: int, compile_step: bool) -> dict:
+    """`Program.run_many` over all the prompts at once, after an untimed short run over two of
+    them (which also compiles the step's graphs, when `compile_step`)."""
     from smc_sd import Schedule
 
     options = {"draft_len": draft_len} if draft_len else {}
     program = build_program(method, target, draft, **options)
-    program.run_many(prompts[:2], Schedule(particles, max_tokens=2 * (draft_len + 1) + 2), seeds=[1, 2][: len(prompts)])
+    program.run_many(prompts[:2], Schedule(particles, max_tokens=2 * (draft_len + 1) + 2), seeds=[1, 2][: len(prompts)], compile_step=compile_step)
     drop_prefix_caches(program)
     started = time.perf_counter()
-    results = program.run_many(prompts, Schedule(particles, max_tokens=new_tokens), seeds=list(range(len(prompts))), max_running=len(prompts))
+    results = program.run_many(prompts, Schedule(particles, max_tokens=new_tokens), seeds=list(range(len(prompts))), max_running=len(prompts), compile_step=compile_step)
     seconds = time.perf_counter() - started
     generated = sum(len(r.tokens) for r in results)
     return {"requests": len(prompts), "seconds": seconds, "generated": generated, "tokens_per_second": generated / seconds,
@@ -368,19 +373,21 @@ def batched_section(models: dict, args, vocab: int) -> dict:
     prompts = torch.randint(vocab - 1, (args.batch, args.prompt_len), generator=generator).tolist()
     passes_ms = time_bare_passes(models, vocab, prompts[0], args.device, args.iters)
     rows = []
-    for label, method, n, k, count in BATCHED:
+    for label, method, n, k, count, compile_step in BATCHED:
         if args.device.startswith("cuda"):
             torch.cuda.reset_peak_memory_stats()
-        row = {"label": label, "method": method, "particles": n, "draft_len": k,
-               **time_batched(method, *paged, n, k, prompts[:count], args.batched_tokens)}
+        row = {"label": label, "method": method, "particles": n, "draft_len": k, "compile_step": compile_step,
+               **time_batched(method, *paged, n, k, prompts[:count], args.batched_tokens, compile_step)}
         if args.device.startswith("cuda"):
             row["peak_gpu_bytes"] = torch.cuda.max_memory_allocated()
         print(f"gpu.py: batched {label}: {row['tokens_per_second']:.1f} tokens/s over {row['requests']} requests", file=sys.stderr, flush=True)
         rows.append(row)
-    alone, ar, smc = rows
+    alone, ar, smc, ar_compiled, smc_compiled = rows
     return {"batch": args.batch, "new_tokens": args.batched_tokens, "kv_cache": "paged", "bare_pass_ms": passes_ms, "rows": rows,
             "ar_batched_over_alone": ar["tokens_per_second"] / alone["tokens_per_second"],
-            "smc-sd_over_ar_batched": smc["tokens_per_second"] / ar["tokens_per_second"]}
+            "smc-sd_over_ar_batched": smc["tokens_per_second"] / ar["tokens_per_second"],
+            "ar_compiled_over_eager": ar_compiled["tokens_per_second"] / ar["tokens_per_second"],
+            "smc-sd_compiled_over_eager": smc_compiled["tokens_per_second"] / smc["tokens_per_second"]}
 
 
 def main(argv=None) -> dict:

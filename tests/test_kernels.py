@@ -11,7 +11,7 @@ import torch
 
 from smc_sd.engine.batch import BatchEngine, Request
 from smc_sd.engine.block_scores import score_rows
-from smc_sd.engine.kernels import EAGER, StepKernels, current
+from smc_sd.engine.kernels import EAGER, StepKernels, compile_kernel, current
 from smc_sd.engine.sampling import tokens_and_logprobs
 from smc_sd.program import Schedule
 from smc_sd.programs import autoregressive, smc_speculative
@@ -74,3 +74,14 @@ def test_an_engine_that_compiles_its_step_returns_the_eager_results():
         assert math.isclose(got.log_ml, expected.log_ml, rel_tol=1e-5, abs_tol=1e-5)
         for w, v in zip(got.log_weights, expected.log_weights):
             assert math.isclose(w, v, rel_tol=1e-5, abs_tol=1e-5) or (w == v == -math.inf)
+
+
+def test_a_step_that_cannot_compile_says_so_in_one_line(monkeypatch):
+    monkeypatch.setattr(torch._inductor.config.cpp, "cxx", ("no-such-c++-compiler",))
+    monkeypatch.setattr(torch._inductor.config, "fx_graph_cache", False)
+
+    def doubled(x):
+        return 2 * x + 1
+
+    with pytest.raises(RuntimeError, match=r"^compile_step: torch.compile could not compile doubled \(.*compiler.*\); run without compile_step$"):
+        compile_kernel(doubled)(torch.ones(3))

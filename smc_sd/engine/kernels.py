@@ -14,7 +14,8 @@ the flags, whatever the number of rows, K or V, so no shape the engine meets com
 and a row's results do not depend on the rows beside it (`tests/test_kernels.py`). Compiled
 and eager results have the same tokens and agree within float32 rounding in the increments
 and log q: inductor sums in another order (`tests/test_compiled_step.py`). Each graph compiles
-at its first call, seconds on a CPU, once per process.
+at its first call, seconds on a CPU, once per process; on a CPU inductor needs a C++ compiler,
+and where it cannot compile, the call raises one line naming `compile_step` and the cause.
 """
 
 from __future__ import annotations
@@ -44,11 +45,26 @@ class StepKernels:
         if not compiled:
             return EAGER
         if not _COMPILED:
-            _COMPILED.append(StepKernels(torch.compile(score_rows, dynamic=True), torch.compile(tokens_and_logprobs, dynamic=True)))
+            _COMPILED.append(StepKernels(compile_kernel(score_rows), compile_kernel(tokens_and_logprobs)))
         return _COMPILED[0]
 
 
 EAGER = StepKernels(score_rows, tokens_and_logprobs)
+
+
+def compile_kernel(function: Callable) -> Callable:
+    """`function` compiled with symbolic sizes; a failure to compile it raises a RuntimeError of
+    one line that names `compile_step` and the compiler's first line."""
+    graph = torch.compile(function, dynamic=True)
+
+    def call(*args):
+        try:
+            return graph(*args)
+        except torch._dynamo.exc.BackendCompilerFailed as error:
+            cause = str(error).strip().splitlines()[0]
+            raise RuntimeError(f"compile_step: torch.compile could not compile {function.__name__} ({cause}); run without compile_step") from error
+
+    return call
 
 
 def current() -> StepKernels:
