@@ -77,6 +77,17 @@ def test_shortcuts_are_the_full_passes():
     assert float(full_inc[:, k].abs().max()) < 1e-6
 
 
+def test_a_bonus_alone_from_p_t_is_drawn_from_the_tempered_logits():
+    # K = 0 (ar's block), every row unconstrained at alpha = 1 and T > 0: no log-softmax
+    a, v = 8, 700
+    logits, drafted, drawn_logq, u = random_block(a, 0, v, seed=5)
+    temperature = 0.3 + torch.rand(a, generator=torch.Generator().manual_seed(6))
+    for scaled, t in ((True, temperature), (False, torch.ones(a))):
+        block, increments = score_rows(logits, t, None, None, drafted, drawn_logq, None, u, None, False, scaled)
+        assert torch.equal(block[:, 0], tokens_from_uniforms(logits[:, 0] / t[:, None], u))
+        assert increments.shape == (a, 1) and bool((increments == 0).all())
+
+
 def test_rows_do_not_depend_on_each_other():
     a, k, v = 12, 4, 600
     logits, drafted, drawn_logq, u = random_block(a, k, v, seed=3)

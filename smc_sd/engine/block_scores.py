@@ -38,7 +38,10 @@ def score_rows(logits: torch.Tensor, temperature: torch.Tensor, alpha: torch.Ten
     1): its inc[a, K] is 0, not a float32 logsumexp of a log-softmax (within 1e-7 of 0). alpha
     multiplies the gathered scores and the bonus row only, and a temperature of 1 divides
     nothing: multiplying or dividing a float by 1 leaves it unchanged, so these shortcuts give
-    the same bits as the full passes over [A, K + 1, V].
+    the same bits as the full passes over [A, K + 1, V]. A block of the bonus alone (K = 0, as
+    ar's) whose every row draws from p_{T_a} itself at T_a > 0 takes no log-softmax: its bonus is
+    drawn from z_a = logits_a / T_a, which differs from log p_{T_a} by a constant per row (the
+    same distribution; the draw's shift to the maximum rounds differently).
 
     Shapes are fixed by the arguments and nothing is read back to the host, so the function can
     be compiled (`torch.compile`, tests/test_compiled_step.py); the branches are on arguments
@@ -63,6 +66,9 @@ def score_rows(logits: torch.Tensor, temperature: torch.Tensor, alpha: torch.Ten
         float64.
     """
     k = drafted.shape[1]
+    if k == 0 and alpha is None and bonus_mask is None and weighted_bonus is None and not greedy:
+        z = logits[:, 0] / temperature[:, None] if scaled else logits[:, 0]
+        return tokens_from_uniforms(z, u)[:, None], torch.zeros(drafted.shape[0], 1, dtype=torch.float64, device=logits.device)
     # [A, K + 1, V]: log p_T at every position (one contiguous pass: a log-softmax of the
     # drafted positions alone, a strided view, would copy them first)
     logp = tempered_logprobs_rows(logits, temperature, greedy=greedy, scaled=scaled, scratch_purpose="block_logp")
@@ -80,7 +86,7 @@ def score_rows(logits: torch.Tensor, temperature: torch.Tensor, alpha: torch.Ten
     if dead is not None:
         drafted_increments = drafted_increments.masked_fill(dead, -math.inf)
     if weighted_bonus is None:
-        log_z = torch.zeros(drafted.shape[0], dtype=torch.float64)
+        log_z = torch.zeros(drafted.shape[0], dtype=torch.float64, device=logits.device)
     else:
         log_z = torch.where(weighted_bonus, logsumexp_floored(bonus_scores, -1).double(), 0.0)
     block = torch.cat([drafted, bonus[:, None]], 1)
