@@ -82,9 +82,9 @@ def exp_rows(repeats: int) -> list[dict]:
 
 def scratch_rows(repeats: int) -> list[dict]:
     """A draw and a block's log-softmax in fresh memory against the engine's scratch blocks."""
+    from smc_sd.engine.cycle_locals import lending
     from smc_sd.engine.keyed_random import BONUS, counter, keyed_uniform
     from smc_sd.engine.sampling import tempered_logprobs_rows, tokens_and_logprobs
-    from smc_sd.engine.cycle_locals import lending
     from smc_sd.engine.scratch import Scratch
 
     generator = torch.Generator().manual_seed(1)

@@ -195,16 +195,14 @@ class BatchEngine:
         Raises:
             the error of a backend pass (the engine is then dead and every request failed).
         """
-        with lending(scratch=self._scratch, kernels=self._kernels):
-            self._guard_backends(self._admit_and_cycle)
+        self._guard_backends(self._admit_and_cycle)
         with self._lock:
             return bool(self._running or self._waiting)
 
     def admit(self) -> None:
         """Join the waiting requests there is room for (they draw their first tokens) without
         running a cycle; `step` does this first."""
-        with lending(scratch=self._scratch, kernels=self._kernels):
-            self._guard_backends(self._admit_waiting)
+        self._guard_backends(self._admit_waiting)
 
     def _admit_and_cycle(self) -> None:
         self._admit_waiting()
@@ -217,11 +215,14 @@ class BatchEngine:
             self._reseat()
 
     def _guard_backends(self, call) -> None:
-        """Run engine work; a failure there (a backend pass) kills the engine and every request."""
+        """Run engine work, lending it the engine's scratch blocks and kernels
+        (`smc_sd.engine.cycle_locals`); a failure there (a backend pass) kills the engine and
+        every request."""
         if self.dead is not None:
             raise RuntimeError(f"the engine has stopped after an error: {self.dead}")
         try:
-            call()
+            with lending(scratch=self._scratch, kernels=self._kernels):
+                call()
         except BaseException as error:
             self._die(error)
             raise

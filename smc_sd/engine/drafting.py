@@ -13,9 +13,9 @@ from dataclasses import dataclass
 import torch
 
 from smc_sd.constraints.token_constraints import UnsatisfiableConstraintError
+from smc_sd.engine import kernels
 from smc_sd.engine.keyed_random import DRAFT, counter, keyed_uniform
 from smc_sd.engine.masking import masked_logprobs
-from smc_sd.engine import kernels
 from smc_sd.engine.sampling import gather_last, scaling, tempered_logprobs_rows, tokens_from_uniforms
 
 
