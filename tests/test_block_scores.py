@@ -4,6 +4,9 @@
   256) draws each block and each likely token with its probability: 200,000 keyed draws, every
   share within 5 standard errors (sqrt(p (1 - p) / n)) of the softmax; a token of weight zero
   is never drawn.
+- A draw from scores (`tokens_from_scores`, which forms the chosen block's weights again from
+  its scores) is the draw from their floored weights (`tokens_from_weights`): the same tokens
+  and totals, on a vocabulary of whole search blocks and on one that is padded.
 - `tokens_and_logprobs` draws the same tokens as `tokens_from_uniforms` and reads each drawn
   token's log-probability off the weights' total: within 1e-5 of the log-softmax there, on
   rows at T = 1 and at T = 0.3 (sharp rows whose tail underflows the exp floor).
@@ -21,7 +24,7 @@ import torch
 
 from smc_sd.engine.block_scores import score_rows
 from smc_sd.engine.keyed_random import BONUS, counter, keyed_uniform
-from smc_sd.engine.sampling import tokens_and_logprobs, tokens_from_uniforms
+from smc_sd.engine.sampling import exp_floored, tokens_and_logprobs, tokens_from_scores, tokens_from_uniforms, tokens_from_weights
 
 DRAWS = 200_000
 
@@ -39,6 +42,18 @@ def test_draws_over_many_blocks_follow_the_softmax():
     shares = torch.cat([counts.view(-1, 250).sum(1), counts[p > 1e-3]]) / DRAWS
     probabilities = torch.cat([p.view(-1, 250).sum(1), p[p > 1e-3]])
     assert bool(((shares - probabilities).abs() <= 5 * torch.sqrt(probabilities * (1 - probabilities) / DRAWS)).all())
+
+
+def test_a_draw_from_scores_is_the_draw_from_their_weights():
+    generator = torch.Generator().manual_seed(2)
+    for v in (1024, 1000):
+        scores = 6 * torch.randn(300, v, generator=generator)
+        scores[::4, : v // 2] = float("-inf")
+        u = torch.rand(300, dtype=torch.float64, generator=generator)
+        top = scores.amax(-1, keepdim=True)
+        tokens, total = tokens_from_scores(scores, top, u)
+        expected_tokens, expected_total = tokens_from_weights(exp_floored(scores - top), u)
+        assert torch.equal(tokens, expected_tokens) and torch.equal(total, expected_total)
 
 
 def test_drawn_logprobs_are_the_log_softmax():

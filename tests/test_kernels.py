@@ -15,7 +15,7 @@ import torch
 from smc_sd.engine.batch import BatchEngine, Request
 from smc_sd.engine.block_scores import score_rows
 from smc_sd.engine.kernels import EAGER, StepKernels, current
-from smc_sd.engine.sampling import tokens_and_logprobs
+from smc_sd.engine.sampling import EXP_FLOOR, exp_floored_, tokens_and_logprobs
 from smc_sd.program import Schedule
 from smc_sd.programs import autoregressive, smc_speculative
 from tests.test_compiled_step import score_inputs
@@ -50,6 +50,17 @@ def test_compiled_kernels_treat_each_row_alone():
     for rows in SUBSETS:
         part_tokens, part_logq = kernels.tokens_and_logprobs(scores[rows], u[rows])
         assert torch.equal(part_tokens, tokens[rows]) and torch.equal(part_logq, logq[rows])
+
+
+def test_the_compiled_floored_exp_is_the_eager_one():
+    # compiled, exp_floored_ is a where() out of place: zero exactly at and below the floor, as
+    # the eager threshold, and the same exps above it (the next float32 above the floor included)
+    floor = torch.tensor([EXP_FLOOR])
+    above = torch.nextafter(floor, torch.zeros(1))
+    x = torch.cat([torch.tensor([-math.inf, -200.0, EXP_FLOOR - 1]), floor, above, torch.tensor([-69.0, -50.0, -1.0, 0.0])])
+    compiled = torch.compile(exp_floored_, dynamic=True)(x.clone())
+    assert torch.equal(compiled, exp_floored_(x.clone()))
+    assert bool((compiled[x <= EXP_FLOOR] == 0).all()) and bool((compiled[x > EXP_FLOOR] > 0).all())
 
 
 def run(programs, compile_step: bool):

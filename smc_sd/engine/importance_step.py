@@ -123,7 +123,9 @@ def advance_rows(step: StepRows, block: torch.Tensor, increments: torch.Tensor, 
 def resample_groups(groups: list, table) -> list[tuple[float, bool, float]]:
     """The end of a cycle for many requests: ESS, the resampling decision (`resample_rows`) and
     ancestors, the requests of equal N in one call, uniforms keyed by (seed, cycle, particle);
-    the resampled particles take their ancestors' state in one `SlotTable.copy`.
+    the resampled particles take their ancestors' state in one `SlotTable.copy`. A request of
+    one particle (ar) is never resampled: its ESS is 1 while its weight is positive and 0 once
+    it is zero, never inside (0, tau · 1), so its outcome is read off its weight, with no draw.
 
     Args:
         groups: `ImportanceGroup`s whose blocks are stored in `table`.
@@ -139,6 +141,11 @@ def resample_groups(groups: list, table) -> list[tuple[float, bool, float]]:
         members = [i for i, g in enumerate(groups) if g.plan.particles == n]
         # [G_n, N]: the slots of the requests with N particles
         slots = torch.stack([groups[i].slots for i in members])
+        buckets.append((members, slots))
+        if n == 1:
+            for i, alive in zip(members, torch.isfinite(table.logw[slots[:, 0]]).tolist()):
+                out[i] = (1.0 if alive else 0.0, False, 0.0, None)
+            continue
         request_keys = torch.tensor([groups[i].key for i in members], dtype=torch.int64)[:, None]
         cycles = torch.tensor([len(groups[i].cycles) for i in members], dtype=torch.int64)[:, None]
         u = keyed_uniform(request_keys, counter(cycles, torch.arange(n)[None, :], 0, RESAMPLE))
@@ -146,11 +153,9 @@ def resample_groups(groups: list, table) -> list[tuple[float, bool, float]]:
         ess, resampled, ancestors, steps = resample_rows(table.logw[slots], torch.tensor([p.ess_threshold for p in plans], dtype=torch.float64), [p.resampling for p in plans], u)
         targets.append(slots[resampled].flatten())
         sources.append(slots.gather(1, ancestors)[resampled].flatten())
-        buckets.append((members, slots))
         for i, e, r, step, a in zip(members, ess.tolist(), resampled.tolist(), steps.tolist(), ancestors.tolist()):
             out[i] = (e, r, step if r else 0.0, a if r else None)
-    targets = torch.cat(targets)
-    if targets.numel():
+    if targets and (targets := torch.cat(targets)).numel():
         table.copy(targets, torch.cat(sources))
     for members, slots in buckets:
         for i, unfinished in zip(members, (~table.finished[slots]).sum(1).tolist()):

@@ -93,8 +93,10 @@ def scaling(temperatures) -> bool:
 
 
 def exp_floored(x: torch.Tensor) -> torch.Tensor:
-    """exp(x) where exp(max(x, F)) > C, else 0, elementwise (F = EXP_FLOOR, C = FLOOR_WEIGHT ≈
-    4.0e-31, above the float32 exp(F)).
+    """exp(x) where x > F, else 0, elementwise (F = EXP_FLOOR), for float32 x: computed as
+    exp(max(x, F)), zeroed where it is at most C = FLOOR_WEIGHT ≈ 4.0e-31. C lies above the
+    float32 exp(F) and below the exp of the next float32 above F (-70 + 2^-17), so exactly
+    the entries x <= F are zeroed.
 
     It is exactly 0 where x <= F (-inf included), non-decreasing in x, and within C of exp(x)
     everywhere: for log-weights shifted so that their maximum is 0 (the largest weight 1), a row of
@@ -105,7 +107,13 @@ def exp_floored(x: torch.Tensor) -> torch.Tensor:
 
 
 def exp_floored_(x: torch.Tensor) -> torch.Tensor:
-    """`exp_floored` in place, for a tensor the caller made and no longer needs."""
+    """`exp_floored` in place, for a tensor the caller made and no longer needs.
+
+    While `torch.compile` traces (`smc_sd.engine.kernels`) it is where(x > F, exp(max(x, F)), 0)
+    out of place instead, the same values: inductor fuses that into the loop that reads x,
+    where the in-place chain made it store the [..., V] exps first."""
+    if torch.compiler.is_compiling():
+        return torch.where(x > EXP_FLOOR, x.clamp_min(EXP_FLOOR).exp(), 0.0)
     return torch.nn.functional.threshold_(x.clamp_min_(EXP_FLOOR).exp_(), FLOOR_WEIGHT, 0.0)
 
 
@@ -151,7 +159,7 @@ def tokens_from_uniforms(scores: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     Returns:
         [B] int64 token ids.
     """
-    return tokens_from_weights(exp_floored_(shifted(scores, scores.amax(dim=-1, keepdim=True))), u)[0]
+    return tokens_from_scores(scores, scores.amax(dim=-1, keepdim=True), u)[0]
 
 
 def tokens_and_logprobs(scores: torch.Tensor, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -170,18 +178,64 @@ def tokens_and_logprobs(scores: torch.Tensor, u: torch.Tensor) -> tuple[torch.Te
         [B] int64 tokens, [B] float32 their log-probabilities.
     """
     top = scores.amax(dim=-1, keepdim=True)
-    tokens, total = tokens_from_weights(exp_floored_(shifted(scores, top)), u)
+    tokens, total = tokens_from_scores(scores, top, u)
     return tokens, gather_last(scores, tokens) - top.squeeze(-1) - total.log().float()
+
+
+def tokens_from_scores(scores: torch.Tensor, top: torch.Tensor, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`tokens_from_weights` of w = exp_floored(scores - top), without keeping w whole: the
+    search's block sums are taken over w (formed in the engine's scratch block; compiled, inside
+    the loop that reads the scores, with no [B, V] array stored), and the chosen block's BLOCK
+    weights are formed again from its scores (the same floats).
+
+    Args:
+        scores: [B, V] float32 unnormalised log-probabilities; each row has a finite entry.
+        top: [B, 1] float32 each row's maximum score.
+        u: [B] float64 uniforms on [0, 1).
+
+    Returns:
+        [B] int64 token ids, [B] float64 the weights' totals.
+    """
+    mass = blocked(exp_floored_(shifted(scores, top)), 0.0).sum(-1)
+    return inverse_cdf_in_blocks(mass, lambda block: exp_floored(block_of(blocked(scores, float("-inf")), block) - top), u)
 
 
 def shifted(scores: torch.Tensor, top: torch.Tensor) -> torch.Tensor:
     """scores - top in the engine's scratch block for a draw's weights (`smc_sd.engine.scratch`):
-    the weights die inside `tokens_from_weights`."""
+    the weights die inside `tokens_from_scores`."""
     return torch.sub(scores, top, out=scratch.block("draw_weights", scores))
 
 
 def tokens_from_weights(weights: torch.Tensor, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Row b's token: the inverse CDF of its weights at u[b] · (their total).
+    """Row b's token: the inverse CDF of its weights at u[b] · (their total)
+    (`inverse_cdf_in_blocks` of their block sums).
+
+    Args:
+        weights: [B, V] float32 >= 0; each row has a positive entry.
+        u: [B] float64 uniforms on [0, 1).
+
+    Returns:
+        [B] int64 token ids, [B] float64 the weights' totals (sum_i S_i).
+    """
+    blocks = blocked(weights, 0.0)
+    return inverse_cdf_in_blocks(blocks.sum(-1), lambda block: block_of(blocks, block), u)
+
+
+def blocked(values: torch.Tensor, fill: float) -> torch.Tensor:
+    """[B, V] as [B, ceil(V / BLOCK), BLOCK], the last block padded with `fill` (a view when
+    BLOCK divides V, as it does 49,152 and 128,256)."""
+    b, v = values.shape
+    return (values if v % BLOCK == 0 else torch.nn.functional.pad(values, (0, -v % BLOCK), value=fill)).view(b, -1, BLOCK)
+
+
+def block_of(blocks: torch.Tensor, block: torch.Tensor) -> torch.Tensor:
+    """Row b's block number block[b, 0] of blocks [B, n, BLOCK], as [B, BLOCK]."""
+    return blocks.gather(1, block[..., None].expand(-1, -1, BLOCK)).squeeze(1)
+
+
+def inverse_cdf_in_blocks(mass: torch.Tensor, weights_in, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The inverse CDF at u[b] · (total) of weights given as block sums and, for the one block
+    the search enters, that block's weights.
 
     The search runs in two levels, so that no [B, V] float64 array is formed: the weights'
     sums S_i over blocks of BLOCK tokens (float32: a sum of 256 non-negative terms, within
@@ -194,17 +248,15 @@ def tokens_from_weights(weights: torch.Tensor, u: torch.Tensor) -> tuple[torch.T
     zero is never drawn (c_j > c_{j-1} for the token chosen).
 
     Args:
-        weights: [B, V] float32 >= 0; each row has a positive entry.
+        mass: [B, V / BLOCK] float32 S_i, each block's sum of its weights (0 for a padded entry).
+        weights_in: maps [B, 1] int64 block numbers i to [B, BLOCK] float32, those blocks' weights.
         u: [B] float64 uniforms on [0, 1).
 
     Returns:
         [B] int64 token ids, [B] float64 the weights' totals (sum_i S_i).
     """
-    b, v = weights.shape
-    # [B, V / BLOCK, BLOCK]: the weights, padded to whole blocks
-    blocks = (weights if v % BLOCK == 0 else torch.nn.functional.pad(weights, (0, -v % BLOCK))).view(b, -1, BLOCK)
-    # [B, V / BLOCK]: each block's mass, and the running sums C_i in float64
-    mass = blocks.sum(-1).double()
+    # [B, V / BLOCK]: the running sums C_i in float64
+    mass = mass.double()
     cumulative = mass.cumsum(-1)
     total = cumulative[:, -1:]
     t = torch.minimum(u[:, None] * total, torch.nextafter(total, torch.zeros_like(total)))
@@ -212,7 +264,7 @@ def tokens_from_weights(weights: torch.Tensor, u: torch.Tensor) -> tuple[torch.T
     block = torch.searchsorted(cumulative, t, right=True)
     before = torch.where(block > 0, cumulative.gather(-1, (block - 1).clamp(min=0)), 0.0)
     # [B, BLOCK] float64: the running sums c_j inside the block
-    inner = blocks.gather(1, block[..., None].expand(-1, -1, BLOCK)).squeeze(1).cumsum(-1, dtype=torch.float64)
+    inner = weights_in(block).cumsum(-1, dtype=torch.float64)
     last = inner[:, -1:]
     within = torch.minimum((t - before) / mass.gather(-1, block) * last, torch.nextafter(last, torch.zeros_like(last)))
     return (block * BLOCK + torch.searchsorted(inner, within, right=True)).squeeze(-1), total.squeeze(-1)
