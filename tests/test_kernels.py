@@ -15,6 +15,7 @@ import torch
 from smc_sd.engine.batch import BatchEngine, Request
 from smc_sd.engine.block_scores import score_rows
 from smc_sd.engine.kernels import EAGER, StepKernels, current
+from smc_sd.engine.keyed_random import ACCEPT, DRAFT, RESAMPLE, keyed_uniforms, seed_key
 from smc_sd.engine.sampling import EXP_FLOOR, exp_floored_, tokens_and_logprobs
 from smc_sd.program import Schedule
 from smc_sd.programs import autoregressive, smc_speculative
@@ -50,6 +51,20 @@ def test_compiled_kernels_treat_each_row_alone():
     for rows in SUBSETS:
         part_tokens, part_logq = kernels.tokens_and_logprobs(scores[rows], u[rows])
         assert torch.equal(part_tokens, tokens[rows]) and torch.equal(part_logq, logq[rows])
+
+
+def test_compiled_uniforms_are_the_eager_ones_bit_for_bit():
+    cores = StepKernels.of(True)
+    keys = torch.tensor([seed_key(s) for s in (0, 1, 2**40 + 3, 7)])
+    cycles, particles = torch.tensor([0, 5, 2**22, 9]), torch.tensor([3, 0, 1, 2**19])
+    calls = [
+        (keys, cycles, particles, 4, DRAFT),  # a draft step's [A]
+        (keys[:, None], cycles[:, None], torch.arange(6)[None, :], 0, RESAMPLE),  # [G, N]
+        (keys[:, None], cycles[:, None], particles[:, None], torch.arange(5)[None, :], ACCEPT),  # [U, M]
+    ]
+    for args in calls:
+        u = cores.keyed_uniforms(*args)
+        assert u.dtype == torch.float64 and torch.equal(u, keyed_uniforms(*args))
 
 
 def test_the_compiled_floored_exp_is_the_eager_one():

@@ -14,7 +14,7 @@ import torch
 
 from smc_sd.constraints.token_constraints import UnsatisfiableConstraintError
 from smc_sd.engine import kernels
-from smc_sd.engine.keyed_random import DRAFT, counter, keyed_uniform
+from smc_sd.engine.keyed_random import DRAFT
 from smc_sd.engine.masking import masked_logprobs
 from smc_sd.engine.sampling import gather_last, scaling, tempered_logprobs_rows, tokens_from_uniforms
 
@@ -117,10 +117,11 @@ class BlockDrafter:
             [N] int64 tokens.
         """
         keys = self.keys
-        u = keyed_uniform(keys.request_key, counter(keys.cycle, keys.particle, len(self.drafted), DRAFT))
+        cores = kernels.current()
+        u = cores.keyed_uniforms(keys.request_key, keys.cycle, keys.particle, len(self.drafted), DRAFT)
         if self.mask_at is None and not self.greedy and not self.keep_logq:
             z = logits / self.temperature[:, None] if self.scaled else logits
-            token, drawn = kernels.current().tokens_and_logprobs(z, u)
+            token, drawn = cores.tokens_and_logprobs(z, u)
         else:
             if self.mask_at is None:
                 # [N, V]: next-token distribution after the last fed token

@@ -35,7 +35,7 @@ import torch
 
 from smc_sd.engine import kernels
 from smc_sd.engine.drafting import DraftBlock
-from smc_sd.engine.keyed_random import BONUS, RESAMPLE, counter, keyed_uniform
+from smc_sd.engine.keyed_random import BONUS, RESAMPLE
 from smc_sd.engine.resampling import resample_rows
 from smc_sd.engine.rows import row_logits
 from smc_sd.engine.sampling import scaling
@@ -77,9 +77,9 @@ def verify_importance_rows(step: StepRows, packed: torch.Tensor, starts: torch.T
     # [A]: the rows whose bonus normaliser is not 1 by construction: every row of constrained
     # requests (`bonus_mask` is theirs), else the powered ones
     weighted_bonus = torch.ones(owner.numel(), dtype=torch.bool) if bonus_mask is not None else powered
-    keys = step.keys
-    u = keyed_uniform(keys.request_key, counter(keys.cycle, keys.particle, k, BONUS))
-    tokens, increments = kernels.current().score_rows(
+    keys, cores = step.keys, kernels.current()
+    u = cores.keyed_uniforms(keys.request_key, keys.cycle, keys.particle, k, BONUS)
+    tokens, increments = cores.score_rows(
         logits, temperature, alpha, bonus_mask, block.tokens, block.drawn_logq, block.dead, u, weighted_bonus, 0.0 in temperatures, scaling(temperatures)
     )
     advance_rows(step, tokens, increments, eos)
@@ -148,7 +148,7 @@ def resample_groups(groups: list, table) -> list[tuple[float, bool, float]]:
             continue
         request_keys = torch.tensor([groups[i].key for i in members], dtype=torch.int64)[:, None]
         cycles = torch.tensor([len(groups[i].cycles) for i in members], dtype=torch.int64)[:, None]
-        u = keyed_uniform(request_keys, counter(cycles, torch.arange(n)[None, :], 0, RESAMPLE))
+        u = kernels.current().keyed_uniforms(request_keys, cycles, torch.arange(n)[None, :], 0, RESAMPLE)
         plans = [groups[i].plan for i in members]
         ess, resampled, ancestors, steps = resample_rows(table.logw[slots], torch.tensor([p.ess_threshold for p in plans], dtype=torch.float64), [p.resampling for p in plans], u)
         targets.append(slots[resampled].flatten())

@@ -3,9 +3,12 @@
 Most of a cycle's work over the vocabulary sits in two pure functions of tensors:
 `block_scores.score_rows` (an importance verification's log-softmax over [A, K + 1, V], the
 drafted tokens' scores, the bonus draws and the weight increments) and
-`sampling.tokens_and_logprobs` (a draft step's draws over [A, V] and their log q). Run eagerly,
-each is a sequence of torch operators, every one a pass over memory (on a GPU, a kernel
-launch). Compiled by inductor, each becomes a few fused loops.
+`sampling.tokens_and_logprobs` (a draft step's draws over [A, V] and their log q). A third,
+`keyed_random.keyed_uniforms`, hashes every draw's key into its uniforms: about 70 integer
+operators on a few rows, eagerly. Run eagerly, each is a sequence of torch operators, every one
+a pass over memory (on a GPU, a kernel launch). Compiled by inductor, each becomes a few fused
+loops (the hash one: integer operations are exact, so its uniforms are the eager ones bit for
+bit).
 
 An engine built with `compile_step=True` lends the compiled functions to its cycles
 (`smc_sd.engine.cycle_locals`); everywhere else the eager ones run. They are compiled with symbolic
@@ -27,6 +30,7 @@ import torch
 
 from smc_sd.engine.block_scores import score_rows
 from smc_sd.engine.cycle_locals import lent
+from smc_sd.engine.keyed_random import keyed_uniforms
 from smc_sd.engine.sampling import tokens_and_logprobs
 
 _COMPILED: list[StepKernels] = []
@@ -34,10 +38,12 @@ _COMPILED: list[StepKernels] = []
 
 @dataclass(frozen=True)
 class StepKernels:
-    """The functions a cycle calls for its verification scores and its draft draws."""
+    """The functions a cycle calls for its verification scores, its draft draws and their
+    uniforms."""
 
     score_rows: Callable
     tokens_and_logprobs: Callable
+    keyed_uniforms: Callable
 
     @staticmethod
     def of(compiled: bool) -> StepKernels:
@@ -45,11 +51,11 @@ class StepKernels:
         if not compiled:
             return EAGER
         if not _COMPILED:
-            _COMPILED.append(StepKernels(compile_kernel(score_rows), compile_kernel(tokens_and_logprobs)))
+            _COMPILED.append(StepKernels(compile_kernel(score_rows), compile_kernel(tokens_and_logprobs), compile_kernel(keyed_uniforms)))
         return _COMPILED[0]
 
 
-EAGER = StepKernels(score_rows, tokens_and_logprobs)
+EAGER = StepKernels(score_rows, tokens_and_logprobs, keyed_uniforms)
 
 
 def compile_kernel(function: Callable) -> Callable:

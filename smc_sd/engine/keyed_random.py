@@ -91,3 +91,9 @@ def keyed_uniform(key: torch.Tensor | int, count: torch.Tensor) -> torch.Tensor:
         state = _mix32(state ^ half)
     second = _mix32(state ^ SECOND)
     return ((state >> 5) * (1 << 26) + (second >> 6)).double() / float(1 << 53)
+
+
+def keyed_uniforms(key: torch.Tensor, cycle, particle, position, stream: int) -> torch.Tensor:
+    """keyed_uniform(key, counter(cycle, particle, position, stream)): a draw's uniforms in one
+    call, which the engine's compiled step runs as one fused loop (`smc_sd.engine.kernels`)."""
+    return keyed_uniform(key, counter(cycle, particle, position, stream))

@@ -29,7 +29,8 @@ from dataclasses import dataclass
 
 import torch
 
-from smc_sd.engine.keyed_random import ACCEPT, BONUS, counter, keyed_uniform
+from smc_sd.engine import kernels
+from smc_sd.engine.keyed_random import ACCEPT, BONUS
 from smc_sd.engine.rows import take_positions
 from smc_sd.engine.sampling import exp_floored, exp_floored_, gather_last, logsumexp_floored, tempered_logprobs_rows, tokens_from_weights
 from smc_sd.engine.smc import block_mask
@@ -239,7 +240,8 @@ def accept_rows(packed: torch.Tensor, starts: torch.Tensor, rows: torch.Tensor, 
     flat = position[:, :m].clamp(max=count - 1)
     log_q_loc = torch.where(inside, scores[flat, drafted] - finite_z[flat], float("-inf"))
     log_ratio = torch.where(no_mass[flat], float("-inf"), log_q_loc - logq_x)[owner]
-    u = keyed_uniform(request_keys[:, None], counter(cycles[:, None], particles[:, None], columns[None, :m], ACCEPT))
+    uniforms = kernels.current().keyed_uniforms
+    u = uniforms(request_keys[:, None], cycles[:, None], particles[:, None], columns[None, :m], ACCEPT)
     j = first_rejections(log_ratio, lengths[owner], u, None if dead is None else dead[owner])
     rejected = j < lengths[owner]
     # [R]: the particles whose rejected token was proposed by a point mass (a free draft)
@@ -248,7 +250,7 @@ def accept_rows(packed: torch.Tensor, starts: torch.Tensor, rows: torch.Tensor, 
     # in place: in `scores` itself where the positions are consecutive (scores is not read after)
     emitted_at = position[owner, j]
     logp = take_positions(scores, emitted_at).sub_(finite_z[emitted_at, None]).masked_fill_(no_mass[emitted_at, None], 0.0)
-    u_emit = keyed_uniform(request_keys, counter(cycles, particles, j, BONUS))
+    u_emit = uniforms(request_keys, cycles, particles, j, BONUS)
     # [R]: the token each particle's draft proposed at j (0 past the block: no point there)
     at_j = torch.nn.functional.pad(drafted, (0, 1))[owner, j]
     if not lm:
