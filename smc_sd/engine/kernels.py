@@ -30,7 +30,7 @@ import torch
 
 from smc_sd.engine.block_scores import score_rows
 from smc_sd.engine.cycle_locals import lent
-from smc_sd.engine.keyed_random import keyed_uniforms
+from smc_sd.engine.keyed_random import counter, keyed_uniform, keyed_uniforms
 from smc_sd.engine.sampling import tokens_and_logprobs
 
 _COMPILED: list[StepKernels] = []
@@ -51,11 +51,26 @@ class StepKernels:
         if not compiled:
             return EAGER
         if not _COMPILED:
-            _COMPILED.append(StepKernels(compile_kernel(score_rows), compile_kernel(tokens_and_logprobs), compile_kernel(keyed_uniforms)))
+            _COMPILED.append(StepKernels(compile_kernel(score_rows), compile_kernel(tokens_and_logprobs), flat_uniforms(compile_kernel(keyed_uniform))))
         return _COMPILED[0]
 
 
 EAGER = StepKernels(score_rows, tokens_and_logprobs, keyed_uniforms)
+
+
+def flat_uniforms(hash_: Callable) -> Callable:
+    """`keyed_uniforms` whose hash is `hash_` applied to the keys and counters flattened to one
+    contiguous axis: two graphs of the hash (one uniform, and more) serve every shape of draw.
+    Dynamo specialises sizes of 0 and 1 and zero strides, so [A] uniforms, [G, N] and [U, M] in
+    their own shapes would compile a graph for every pattern of those among them."""
+
+    def uniforms(key: torch.Tensor, cycle, particle, position, stream: int) -> torch.Tensor:
+        keys, count = torch.broadcast_tensors(key, counter(cycle, particle, position, stream))
+        if count.numel() == 0:
+            return torch.empty(count.shape, dtype=torch.float64, device=count.device)
+        return hash_(keys.reshape(-1).contiguous(), count.reshape(-1).contiguous()).view(count.shape)
+
+    return uniforms
 
 
 def compile_kernel(function: Callable) -> Callable:
