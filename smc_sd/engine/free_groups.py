@@ -38,7 +38,7 @@ from smc_sd.engine.drafting import BlockDrafter, block_masks, trim_at_eos
 from smc_sd.engine.free_drafts import FreeDrafter
 from smc_sd.engine.groups import ImportanceGroup, first_stop
 from smc_sd.engine.slots import SlotTable
-from smc_sd.engine.smc import rescore_block_end, verify_block
+from smc_sd.engine.smc import kept_weight, rescore_block_end, verify_block
 from smc_sd.engine.smc_free import distinct_rows, propose_distinct, running_particles
 
 
@@ -213,9 +213,11 @@ class FreeImportanceGroup(ImportanceGroup):
             column = self._stop_at(tokens[i], new) if self.request.stop else None
             if column is not None:
                 new, self.stopped[i] = new[: column + 1], True
-            logw[i] += float(increments[a, : len(new)].sum())
             tokens[i] += new
             added.append(len(new))
+        # [A, K + 1]: the columns each running particle keeps, its first added ones
+        keep = torch.arange(block.shape[1])[None, :] < torch.tensor(added)[:, None]
+        logw[torch.tensor(running)] += kept_weight(keep, increments)
         self._store(tokens, logw)
         table.draft_length[slots[running]] = torch.tensor([len(self.prompt) + len(tokens[i]) - 2 for i in running])
         self._rescore(running)

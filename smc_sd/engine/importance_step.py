@@ -39,7 +39,7 @@ from smc_sd.engine.keyed_random import BONUS, RESAMPLE
 from smc_sd.engine.resampling import resample_rows
 from smc_sd.engine.rows import row_logits
 from smc_sd.engine.sampling import scaling
-from smc_sd.engine.smc import block_mask
+from smc_sd.engine.smc import every_particles_block, kept_weight
 from smc_sd.engine.step_rows import StepRows
 
 
@@ -100,12 +100,7 @@ def advance_rows(step: StepRows, block: torch.Tensor, increments: torch.Tensor, 
     width = block.shape[1]
     generated = torch.tensor([g.generated for g in groups], dtype=torch.int64)[request]
     budget = torch.tensor([g.plan.max_tokens - g.generated for g in groups], dtype=torch.int64)[request]
-    # [N, K + 1]: every particle's block and increments (EOS filler and 0 on finished ones)
-    full_block = torch.full((slots.numel(), width), eos, dtype=torch.int64)
-    full_block[active] = block
-    full_increments = torch.zeros(slots.numel(), width, dtype=torch.float64)
-    full_increments[active] = increments
-    keep = block_mask(full_block, ~active, eos, budget)
+    full_block, full_increments, keep = every_particles_block(block, increments, active, eos, budget)
     columns = torch.arange(width)
     within = columns[None, :] < budget[:, None]
     finished = ~active | ((full_block == eos) & keep).any(1)
@@ -113,7 +108,7 @@ def advance_rows(step: StepRows, block: torch.Tensor, increments: torch.Tensor, 
     # particles that finished drop their rows
     table.target_row[slots[finished]] = -1
     table.draft_row[slots[finished]] = -1
-    table.logw[slots] += torch.where(keep, full_increments, 0.0).sum(1)
+    table.logw[slots] += kept_weight(keep, full_increments)
     # the kept tokens go to columns generated .. generated + min(K + 1, budget) - 1
     at = (generated[:, None] + columns[None, :])[within]
     table.tokens[slots[:, None].expand(-1, width)[within], at] = full_block[within]

@@ -161,12 +161,7 @@ def advance(plan, state: Particles, block: torch.Tensor, increments: torch.Tenso
     n, k, eos = plan.particles, plan.draft_len, plan.target.vocabulary.eos_token_id
     budget = plan.max_tokens - state.tokens.shape[1]
     active = ~state.finished
-    # [N, K + 1]: every particle's block and increments (EOS filler and 0 on finished ones)
-    full_block = torch.full((n, k + 1), eos, dtype=torch.long)
-    full_block[active] = block
-    full_increments = torch.zeros(n, k + 1, dtype=torch.float64)
-    full_increments[active] = increments
-    keep = block_mask(full_block, state.finished, eos, budget)
+    full_block, full_increments, keep = every_particles_block(block, increments, active, eos, budget)
     ends = (full_block == eos) & keep
     if stops is not None:
         full_stops = torch.zeros(n, k + 1, dtype=torch.bool)
@@ -179,7 +174,7 @@ def advance(plan, state: Particles, block: torch.Tensor, increments: torch.Tenso
     advanced = Particles(
         tokens=torch.cat([state.tokens, full_block[:, : min(k + 1, budget)]], 1),
         finished=state.finished | ends.any(1),
-        logw=state.logw + torch.where(keep, full_increments, torch.zeros_like(full_increments)).sum(1),
+        logw=state.logw + kept_weight(keep, full_increments),
         log_twist=state.log_twist,
         log_phi=state.log_phi,
         target_unseen=full_block[:, -1:],
@@ -201,6 +196,38 @@ def rescore_block_end(plan, state: Particles, fresh: torch.Tensor) -> Particles:
     if plan.twist is not None:
         logw, log_twist = retwist(plan.twist, state.tokens, state.finished, logw, log_twist, eos)
     return replace(state, logw=logw, log_phi=log_phi, log_twist=log_twist)
+
+
+def every_particles_block(block: torch.Tensor, increments: torch.Tensor, active: torch.Tensor, eos: int, budget) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Every particle's block and weight increments from the unfinished ones', with EOS filler
+    and 0 on the finished particles, and the columns that count (`block_mask`).
+
+    Args:
+        block, increments: [A, K + 1] int64 and float64, the A = active.sum() unfinished
+            particles' block and increments.
+        active: [N] bool, the particles unfinished before the cycle.
+        budget: as `block_mask`'s.
+
+    Returns:
+        [N, K + 1] int64 blocks, [N, K + 1] float64 increments, [N, K + 1] bool kept columns.
+    """
+    shape = (active.numel(), block.shape[1])
+    full_block = torch.full(shape, eos, dtype=torch.long)
+    full_block[active] = block
+    full_increments = torch.zeros(shape, dtype=torch.float64)
+    full_increments[active] = increments
+    return full_block, full_increments, block_mask(full_block, ~active, eos, budget)
+
+
+def kept_weight(keep: torch.Tensor, increments: torch.Tensor) -> torch.Tensor:
+    """What a cycle adds to each particle's log weight: the sum of its increments over the
+    columns it keeps, sum_k keep[n, k] · inc[n, k] ([N, K + 1] each; a column not kept adds
+    nothing, even where its increment is -inf).
+
+    Returns:
+        [N] float64.
+    """
+    return torch.where(keep, increments, 0.0).sum(1)
 
 
 def block_mask(block: torch.Tensor, finished: torch.Tensor, eos: int, budget: int) -> torch.Tensor:

@@ -33,7 +33,7 @@ from smc_sd.engine import kernels
 from smc_sd.engine.keyed_random import ACCEPT, BONUS
 from smc_sd.engine.rows import take_positions
 from smc_sd.engine.sampling import exp_floored, exp_floored_, gather_last, logsumexp_floored, tempered_logprobs_rows, tokens_from_weights
-from smc_sd.engine.smc import block_mask
+from smc_sd.engine.smc import block_mask, kept_weight
 
 
 @dataclass
@@ -296,7 +296,7 @@ def append_rows(table, slots: torch.Tensor, generated: list[int], budget: list[i
     table.length[slots] = start + count
     table.finished[slots] = finished
     if weighted:
-        table.logw[slots] += torch.where(kept, decisions.log_z, 0.0).sum(1)
+        table.logw[slots] += kept_weight(kept, decisions.log_z)
     table.target_row[slots[finished]] = -1
     table.draft_row[slots[finished]] = -1
     counts = count.tolist()
