@@ -150,8 +150,9 @@ def resample_groups(groups: list, table) -> list[tuple[float, bool, float]]:
         sources.append(slots.gather(1, ancestors)[resampled].flatten())
         for i, e, r, step, a in zip(members, ess.tolist(), resampled.tolist(), steps.tolist(), ancestors.tolist()):
             out[i] = (e, r, step if r else 0.0, a if r else None)
-    if targets and (targets := torch.cat(targets)).numel():
-        table.copy(targets, torch.cat(sources))
+    moved = torch.cat(targets) if targets else torch.empty(0, dtype=torch.int64)
+    if moved.numel():
+        table.copy(moved, torch.cat(sources))
     for members, slots in buckets:
         for i, unfinished in zip(members, (~table.finished[slots]).sum(1).tolist()):
             out[i] = (*out[i][:3], unfinished, out[i][3])
