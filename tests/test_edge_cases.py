@@ -9,7 +9,7 @@ import torch
 from smc_sd import AllParticlesDiedError
 from smc_sd.backends.toy import ToyLM
 from smc_sd.engine.sampling import EXP_FLOOR, FLOOR_WEIGHT, exp_floored, logsumexp_floored, sample_tokens, tempered_logprobs
-from smc_sd.engine.speculative_step import emit_past_point_masses, emit_tokens, first_rejections
+from smc_sd.engine.accept_scores import emit_past_point_masses, emit_tokens, first_rejections
 from smc_sd.metrics import empirical, total_variation, tv_tolerance
 from smc_sd.program import Schedule
 from smc_sd.constraints.token_constraints import PredicateConstraint

@@ -19,6 +19,8 @@ from smc_sd.engine.keyed_random import ACCEPT, DRAFT, RESAMPLE, keyed_uniforms, 
 from smc_sd.engine.sampling import EXP_FLOOR, exp_floored_, tokens_and_logprobs
 from smc_sd.program import Schedule
 from smc_sd.programs import autoregressive, smc_speculative
+from tests.test_batch_engine import outcome
+from tests.test_batch_free_drafts import free_and_other_requests
 from tests.test_compiled_step import score_inputs
 from tests.toy_programs import PROMPT, target_and_draft
 
@@ -103,6 +105,35 @@ def test_an_engine_that_compiles_its_step_returns_the_eager_results():
         assert math.isclose(got.log_ml, expected.log_ml, rel_tol=1e-5, abs_tol=1e-5)
         for w, v in zip(got.log_weights, expected.log_weights):
             assert math.isclose(w, v, rel_tol=1e-5, abs_tol=1e-5) or (w == v == -math.inf)
+
+
+def test_compiled_accept_reject_requests_return_the_eager_results():
+    # sd, mask-at-verify and smc-sd with free drafts and LM drafts, constrained or not, at
+    # several temperatures and powers (`accept_scores` compiled): the same tokens and choices
+    target, draft = target_and_draft(noise=1.0)
+    requests = free_and_other_requests(target, draft, 14)
+
+    def results(compile_step: bool) -> list:
+        engine = BatchEngine(target, draft, max_running=14, max_slots=64, compile_step=compile_step)
+        handles = [engine.submit(r) for r in requests]
+        while engine.step():
+            pass
+        return [outcome(h) for h in handles]
+
+    before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    compiled = results(True)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] > before
+    proposed = 0
+    for got, expected in zip(compiled, results(False)):
+        if isinstance(expected, Exception):
+            assert type(got) is type(expected)
+            continue
+        assert got.particles == expected.particles and got.chosen == expected.chosen
+        proposed += sum(c.proposed or 0 for c in expected.cycles)
+        for w, v in zip(got.log_weights, expected.log_weights):
+            assert math.isclose(w, v, rel_tol=1e-5, abs_tol=1e-5) or (w == v == -math.inf)
+    # the free drafts proposed: rows of different lengths were verified
+    assert proposed > 10
 
 
 def test_a_step_that_cannot_compile_says_so_in_one_line():

@@ -61,7 +61,7 @@ def tempered_logprobs_rows(logits: torch.Tensor, temperature: torch.Tensor, mask
     Args:
         logits: [A, ..., V] float32 raw logits.
         temperature: [A] float32, T_a >= 0 (T_a = 0 is greedy, as in `tempered_logprobs`).
-        mask: [A, ..., V] bool allowed tokens, or None.
+        mask: [A, ..., V] bool allowed tokens (or their uint8 view, `allowed`), or None.
         greedy: whether some T_a is 0 (the caller knows it from the plans, without reading the
             tensor back).
         scaled: whether some T_a is neither 0 nor 1 (known from the plans). When not, the
@@ -74,6 +74,7 @@ def tempered_logprobs_rows(logits: torch.Tensor, temperature: torch.Tensor, mask
     Returns:
         [A, ..., V] float32: row a is tempered_logprobs(logits[a], T_a, mask[a]).
     """
+    mask = allowed(mask)
     # [A, 1, ..., 1]: each row's temperature, 1 where it is 0 (those rows are replaced below)
     t = temperature.view((-1,) + (1,) * (logits.dim() - 1))
     tempered = logits.float() / torch.where(t > 0, t, 1.0) if scaled else logits.float()
@@ -84,6 +85,14 @@ def tempered_logprobs_rows(logits: torch.Tensor, temperature: torch.Tensor, mask
     if greedy:
         logprobs = torch.where(t == 0, tempered_logprobs(logits, 0.0, mask), logprobs)
     return logprobs
+
+
+def allowed(mask: torch.Tensor | None) -> torch.Tensor | None:
+    """A mask as bool: a bool mask itself, or, from its uint8 view (what a compiled kernel
+    receives, `smc_sd.engine.kernels.compile_kernel`), its bytes compared to zero as floats."""
+    if mask is None or mask.dtype == torch.bool:
+        return mask
+    return mask.to(torch.float32) > 0
 
 
 def scaling(temperatures) -> bool:

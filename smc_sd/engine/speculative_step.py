@@ -32,7 +32,7 @@ import torch
 from smc_sd.engine import kernels
 from smc_sd.engine.keyed_random import ACCEPT, BONUS
 from smc_sd.engine.rows import take_positions
-from smc_sd.engine.sampling import exp_floored, exp_floored_, gather_last, logsumexp_floored, tempered_logprobs_rows, tokens_from_weights
+from smc_sd.engine.sampling import gather_last, scaling
 from smc_sd.engine.smc import block_mask, kept_weight
 
 
@@ -85,77 +85,6 @@ def speculative_feed(groups: list, table, blocks: list[ProposedBlock]) -> tuple[
     return rows, torch.tensor(feed), torch.tensor([1 + len(b.tokens) for b in blocks])
 
 
-def first_rejections(log_ratio: torch.Tensor, lengths: torch.Tensor, u: torch.Tensor, dead: torch.Tensor | None = None) -> torch.Tensor:
-    """j_g: the first proposed position rejected, or m_g when every one is accepted.
-
-    Args:
-        log_ratio: [G, M] float32 log p~(x_k) - log q~(x_k).
-        lengths: [G] int64 m_g (columns from m_g on are padding).
-        u: [G, M] float64 acceptance uniforms.
-        dead: [G, M] bool positions where q~ does not exist (rejected), or None.
-
-    Returns:
-        [G] int64.
-    """
-    g, m = log_ratio.shape
-    rejected = (u.log() >= log_ratio.double()) | (torch.arange(m)[None, :] >= lengths[:, None])
-    if dead is not None:
-        rejected |= dead
-    # a last column that always rejects: the first True is at most M
-    return torch.cat([rejected, torch.ones(g, 1, dtype=torch.bool)], 1).int().argmax(1)
-
-
-def emit_tokens(logp: torch.Tensor, q: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """The emitted token of each row: a draw from norm(max(0, p~ - q)) by inverse CDF at u.
-
-    q is q~ at a rejected position and 0 after full acceptance (a bonus from p~). A rejection
-    needs p~(x) < q~(x), so in exact arithmetic the residual has mass; where float32 leaves it
-    none, p~ = q~ to rounding and the law of the emitted token, q~ min(1, p~/q~) + (rejection
-    mass) · residual, is p~'s: the token is drawn from p~.
-
-    Args:
-        logp: [G, V] float32 log p~ at each row's emitted position; each row has mass (an entry
-            above `EXP_FLOOR`: `accept_rows` gives a position without mass a flat row).
-        q: [G, V] float32 q~ there (0 for a bonus).
-        u: [G] float64 uniforms.
-
-    Returns:
-        [G] int64 tokens.
-    """
-    p = exp_floored(logp)
-    residual = (p - q).clamp_min_(0.0)
-    return tokens_from_weights(torch.where(residual.sum(-1, keepdim=True) > 0, residual, p), u)[0]
-
-
-def emit_past_point_masses(logp: torch.Tensor, token: torch.Tensor, point: torch.Tensor | None, u: torch.Tensor) -> torch.Tensor:
-    """`emit_tokens` where q~ is a point mass 1[token] on the rows `point` and 0 on the others,
-    without forming q: max(0, p~ - 1[x]) is p~ with its entry x set to 0 (p~(x) <= 1), and
-    where that leaves no float32 mass (p~ the point mass on x, to rounding) the row draws from p~
-    itself, as `emit_tokens` does. The weights are the same floats as `emit_tokens`' with the
-    one-hot q, so the tokens are the same.
-
-    Args:
-        logp: [G, V] float32 log p~, a tensor the caller no longer reads (overwritten); each
-            row has mass.
-        token: [G] int64 x, the point mass's token (read on the `point` rows only).
-        point: [G] bool the rows whose q~ is 1[x], or None when no row's is (no block drafted).
-        u: [G] float64 uniforms.
-
-    Returns:
-        [G] int64 tokens.
-    """
-    p = exp_floored_(logp)
-    if point is None:
-        return tokens_from_weights(p, u)[0]
-    rows = torch.arange(p.shape[0])
-    at_token = p[rows, token]
-    kept = torch.where(point, 0.0, at_token)
-    p[rows, token] = kept
-    # a row left without mass is a point row whose p~ was 1[x]: x takes its weight back
-    p[rows, token] = torch.where(point & (p.sum(-1) == 0), at_token, kept)
-    return tokens_from_weights(p, u)[0]
-
-
 @dataclass
 class Decisions:
     """The accept/reject outcome of R particles (`accept_rows`).
@@ -192,8 +121,13 @@ def accept_rows(packed: torch.Tensor, starts: torch.Tensor, rows: torch.Tensor, 
         the Decisions of every particle.
     """
     vocab = packed.shape[-1]
+    # U padded to at least 2 rows (an empty one that no particle owns) and M to at least 2
+    # columns: dynamo compiles a graph apart for sizes 0 and 1, and free drafts move between
+    # them from cycle to cycle (`smc_sd.engine.kernels`)
+    if len(blocks) < 2:
+        rows, blocks, temperatures, alphas = torch.cat([rows, rows]), blocks + [ProposedBlock([])], temperatures * 2, alphas * 2
     lengths_list = [len(b.tokens) for b in blocks]
-    u_rows, m = len(blocks), max(lengths_list)
+    u_rows, m = len(blocks), max(max(lengths_list), 2)
     lengths = torch.tensor(lengths_list)
     widths = lengths + 1
     columns = torch.arange(m + 1)
@@ -203,70 +137,49 @@ def accept_rows(packed: torch.Tensor, starts: torch.Tensor, rows: torch.Tensor, 
     count = sum(lengths_list) + u_rows
     at = torch.repeat_interleave(starts[rows] - first, widths) + torch.arange(count)
     position = torch.where(columns[None, :] < widths[:, None], first[:, None] + columns, count)
-    # [P, V]: the logits of those positions only (no padding to the longest proposal); a view
-    # where they are consecutive
-    logits = take_positions(packed, at)
     mask = None
     if any(b.masks is not None for b in blocks):
         mask = torch.cat([b.masks if b.masks is not None else torch.ones(len(b.tokens) + 1, vocab, dtype=torch.bool) for b in blocks])
     temperature = torch.tensor(temperatures, dtype=torch.float32).repeat_interleave(widths)
-    # [P, V]: alpha log p_T + log m (q_loc unnormalised); [P]: log Z
-    scores = tempered_logprobs_rows(logits, temperature, mask, 0.0 in temperatures, scratch_purpose="accept_logp")
+    alpha = None
     if any(a != 1.0 for a in alphas):
-        scores = torch.tensor(alphas, dtype=torch.float32).repeat_interleave(widths)[:, None] * scores
+        alpha = torch.tensor(alphas, dtype=torch.float32).repeat_interleave(widths)
     # a row unmasked at alpha = 1 has q_loc = p_T itself: log Z = 0 (computed only for the others)
     plain = [b.masks is None and a == 1.0 for b, a in zip(blocks, alphas)]
-    log_z = torch.zeros(count)
-    if not all(plain):
-        log_z = torch.where(torch.tensor(plain).repeat_interleave(widths), 0.0, logsumexp_floored(scores, -1))
-    no_mass = log_z == float("-inf")
-    # log q_loc at a position; one without mass gets a flat row (its particle's weight, or its
-    # request, dies; the draw only keeps shapes)
-    finite_z = torch.where(no_mass, 0.0, log_z)
-    # [U, M + 1] float64: log Z at each (row, column), -inf past a row's end
-    log_z_rows = torch.cat([log_z.double(), torch.tensor([float("-inf")], dtype=torch.float64)])[position]
-    # [U, M]: proposed tokens (0 as padding) and log q~ of each (0: a point mass)
+    weighted = None if all(plain) else ~torch.tensor(plain).repeat_interleave(widths)
+    # [U, M]: proposed tokens (0 as padding)
     drafted = torch.tensor([b.tokens + [0] * (m - len(b.tokens)) for b in blocks], dtype=torch.int64).view(u_rows, m)
-    logq_x = torch.zeros(u_rows, m)
-    lm = [i for i, b in enumerate(blocks) if b.logq is not None]
-    dead = None
-    if lm:
-        logq_x[lm] = _padded([gather_last(blocks[i].logq, drafted[i, : lengths_list[i]]) for i in lm], m)
-        if any(blocks[i].dead is not None for i in lm):
-            dead = torch.zeros(u_rows, m, dtype=torch.bool)
-            dead[lm] = _padded([blocks[i].dead if blocks[i].dead is not None else torch.zeros(lengths_list[i], dtype=torch.bool) for i in lm], m).bool()
-    # [U, M]: log q_loc(x_k) at each proposed position; a position without mass rejects
-    inside = columns[None, :m] < lengths[:, None]
-    flat = position[:, :m].clamp(max=count - 1)
-    log_q_loc = torch.where(inside, scores[flat, drafted] - finite_z[flat], float("-inf"))
-    log_ratio = torch.where(no_mass[flat], float("-inf"), log_q_loc - logq_x)[owner]
     uniforms = kernels.current().keyed_uniforms
-    u = uniforms(request_keys[:, None], cycles[:, None], particles[:, None], columns[None, :m], ACCEPT)
-    j = first_rejections(log_ratio, lengths[owner], u, None if dead is None else dead[owner])
-    rejected = j < lengths[owner]
-    # [R]: the particles whose rejected token was proposed by a point mass (a free draft)
-    point = rejected & torch.tensor([b.logq is None for b in blocks])[owner]
-    # [R, V]: log q_loc at each particle's emitted position (flat where it has no mass), formed
-    # in place: in `scores` itself where the positions are consecutive (scores is not read after)
-    emitted_at = position[owner, j]
-    logp = take_positions(scores, emitted_at).sub_(finite_z[emitted_at, None]).masked_fill_(no_mass[emitted_at, None], 0.0)
-    u_emit = uniforms(request_keys, cycles, particles, j, BONUS)
-    # [R]: the token each particle's draft proposed at j (0 past the block: no point there)
-    at_j = torch.nn.functional.pad(drafted, (0, 1))[owner, j]
+    u_accept = uniforms(request_keys[:, None], cycles[:, None], particles[:, None], columns[None, :m], ACCEPT)
+    u_emit = uniforms(request_keys[:, None], cycles[:, None], particles[:, None], columns[None, :], BONUS)
+    # [P, V]: the logits of those positions only (no padding to the longest proposal); a view
+    # where they are consecutive
+    j, emitted, log_z = kernels.current().accept_scores(
+        take_positions(packed, at), position, temperature, alpha, mask, weighted, drafted, lengths,
+        _lm_drafts(blocks, drafted, lengths_list), owner, u_accept, u_emit, 0.0 in temperatures, scaling(temperatures),
+    )
+    return Decisions(drafted[owner], j, emitted, log_z)
+
+
+def _lm_drafts(blocks: list[ProposedBlock], drafted: torch.Tensor, lengths: list[int]) -> tuple | None:
+    """`accept_scores`' `drafts` argument: the LM drafts' log q~ of each proposed token, their
+    rows, dead positions and q~ rows, or None when no LM draft proposed a token."""
+    lm = [i for i, b in enumerate(blocks) if b.logq is not None and lengths[i]]
     if not lm:
-        return Decisions(drafted[owner], j, emit_past_point_masses(logp, at_j, point if m else None, u_emit), log_z_rows[owner])
-    # [R, V]: q~ at each rejected position (0 where all were accepted or q~ does not exist)
-    q = torch.zeros(owner.numel(), vocab)
-    q[point, at_j[point]] = 1.0
-    # LM drafts' q~ rows stacked [sum of their m, V], and where each computed row's begin
-    logq_rows = torch.cat([blocks[i].logq for i in lm])
+        return None
+    u_rows, m = drafted.shape
+    logq_x = torch.zeros(u_rows, m)
+    logq_x[lm] = _padded([gather_last(blocks[i].logq, drafted[i, : lengths[i]]) for i in lm], m)
+    dead = None
+    if any(blocks[i].dead is not None for i in lm):
+        dead = torch.zeros(u_rows, m, dtype=torch.bool)
+        dead[lm] = _padded([blocks[i].dead if blocks[i].dead is not None else torch.zeros(lengths[i], dtype=torch.bool) for i in lm], m).bool()
+    is_lm = torch.zeros(u_rows, dtype=torch.bool)
+    is_lm[lm] = True
+    # the LM drafts' q~ rows stacked [L, V], and where each row's begin among them
     begins = torch.zeros(u_rows, dtype=torch.int64)
-    begins[lm] = torch.tensor([0] + [lengths_list[i] for i in lm][:-1]).cumsum(0)
-    drawn = rejected & ~point
-    if dead is not None:
-        drawn &= ~dead[owner, j.clamp(max=m - 1)]
-    q[drawn] = exp_floored(logq_rows[begins[owner[drawn]] + j[drawn]])
-    return Decisions(drafted[owner], j, emit_tokens(logp, q, u_emit), log_z_rows[owner])
+    begins[lm] = torch.tensor([0] + [lengths[i] for i in lm][:-1]).cumsum(0)
+    return logq_x, is_lm, dead, torch.cat([blocks[i].logq for i in lm]), begins
 
 
 def append_rows(table, slots: torch.Tensor, generated: list[int], budget: list[int], decisions: Decisions, eos: int, weighted: bool) -> tuple[list[list[int]], list[bool], list[list[float]]]:
