@@ -14,13 +14,18 @@ the target model's forward (the rest is the engine's host work: masks, drafts, s
 alternate between the methods (`--repeats` rounds), and the median run is reported beside every
 run: on a shared 2-core machine single runs of the same work differ by 10-20%.
 
+With `--compile-step` every method also runs on a second engine that compiles its step
+(`BatchEngine(compile_step=True)`, `smc_sd.engine.kernels`), rows labelled "METHOD compiled",
+in the same rounds; its graphs compile in its first timed run of each method, so read the
+median of three rounds or more.
+
 To compare two trees, run this script from one with `PYTHONPATH=<other tree>` in between runs
 (same machine, alternating); the script uses the serve API only (`Server.requests`).
 
 Torch runs one thread. Prints JSON; writes results/engine_extraction.json.
 
 Usage: python benchmarks/engine_extraction.py [--methods "ar,mask-at-verify free,smc-sd free"]
-       [--requests 16] [--max-tokens 256] [--repeats 2] [--dtype float32] [--no-write]
+       [--requests 16] [--max-tokens 256] [--repeats 2] [--dtype float32] [--compile-step] [--no-write]
 """
 
 from __future__ import annotations
@@ -85,6 +90,7 @@ def main() -> None:
     parser.add_argument("--temperature", type=float, default=0.3)
     parser.add_argument("--repeats", type=int, default=2, help="rounds; each round runs every method once")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--compile-step", action="store_true", help="also run every method on an engine that compiles its step")
     parser.add_argument("--no-write", action="store_true", help="print only; do not write results/engine_extraction.json")
     args = parser.parse_args()
     methods = [m.strip() for m in args.methods.split(",")]
@@ -102,25 +108,28 @@ def main() -> None:
     from smc_sd.serve.parsing import parse
 
     target, _ = load_models(build_parser().parse_args(["serve", "--dtype", args.dtype]))
-    engine = BatchEngine(target, [], max_running=args.requests)
-    server = Server(engine, target, {}, "smc-sd", default_draft="free")
+    engines = {"": BatchEngine(target, [], max_running=args.requests)}
+    if args.compile_step:
+        engines[" compiled"] = BatchEngine(target, [], max_running=args.requests, compile_step=True)
+    server = Server(engines[""], target, {}, "smc-sd", default_draft="free")
     clock = ForwardClock(target.model)
     requests = {method: build_requests(server, parse, METHODS[method], args) for method in methods}
-    # every prompt into the prefix cache: one token of each request
+    # every prompt into each engine's prefix cache: one token of each request
     first = requests[methods[0]]
-    run_all(engine, [dataclasses.replace(r, schedule=dataclasses.replace(r.schedule, max_tokens=1)) for r in first])
+    for engine in engines.values():
+        run_all(engine, [dataclasses.replace(r, schedule=dataclasses.replace(r.schedule, max_tokens=1)) for r in first])
 
-    runs = {method: [] for method in methods}
+    runs = {method + label: [] for method in methods for label in engines}
     for round_ in range(args.repeats):
-        for method in methods:
+        for method, (label, engine) in ((m, e) for m in methods for e in engines.items()):
             clock.reset()
             start = time.perf_counter()
             results = run_all(engine, requests[method])
             seconds = time.perf_counter() - start
             tokens = sum(len(result.tokens) for result in results)
-            runs[method].append({"seconds": round(seconds, 3), "output_tokens": tokens, "tokens_per_second": round(tokens / seconds, 2),
+            runs[method + label].append({"seconds": round(seconds, 3), "output_tokens": tokens, "tokens_per_second": round(tokens / seconds, 2),
                                  "target_forwards": clock.calls, "forward_seconds": round(clock.seconds, 3)})
-            print(f"round {round_ + 1} {method}: {seconds:.2f} s, {tokens} tokens", flush=True)
+            print(f"round {round_ + 1} {method}{label}: {seconds:.2f} s, {tokens} tokens", flush=True)
     rows = {}
     for method, done in runs.items():
         median = statistics.median(run["seconds"] for run in done)
@@ -128,7 +137,7 @@ def main() -> None:
                         "same_tokens_every_run": len({r["output_tokens"] for r in done}) == 1, "runs": done}
     emit("engine_extraction", {"environment": environment(),
                                "settings": {"requests": args.requests, "max_tokens": args.max_tokens, "temperature": args.temperature,
-                                            "repeats": args.repeats, "dtype": args.dtype, "backend": "hf"},
+                                            "repeats": args.repeats, "dtype": args.dtype, "backend": "hf", "compile_step": args.compile_step},
                                "methods": rows}, write=not args.no_write)
 
 

@@ -33,11 +33,12 @@ mask-at-verify free and smc-sd free at C = 16 on the hf server over vLLM's at 16
 vs_vllm_c16_on_vllm_backend (the same for the --backend vllm server: the race on one engine),
 vllm_backend_c16_over_c1 (the --backend vllm server's methods at C = 16 over its own at C = 1)
 and the goals (on hf >= 1.3x and >= 0.6x, on --backend vllm >= 1.2x and >= 0.5x, C16/C1 >= 3x); it writes
-results/serve_extraction.json.
+results/serve_extraction.json. With `--compile-step` the hf server compiles its step (`smc-sd serve
+--compile-step`, `smc_sd.engine.kernels`; the graphs compile in the first cycles of the C = 1 rows).
 
 Usage: python benchmarks/serve.py [--workload chat|extraction] [--requests 16] [--max-tokens 64]
        [--temperature 1] [--concurrency 1,4,16] [--threads 1] [--dtype float32|bfloat16]
-       [--backend hf|llama-cpp] [--vllm .venv-vllm/bin/python | --no-vllm] [--json]
+       [--backend hf|llama-cpp] [--vllm .venv-vllm/bin/python | --no-vllm] [--compile-step] [--json]
 """
 
 from __future__ import annotations
@@ -318,7 +319,8 @@ def run_extraction(args, env: dict, concurrencies: list[int]) -> tuple[str, dict
     load_before = os.getloadavg()[0]
     asks = extraction_asks(args.requests)
     free = ["--dtype", args.dtype, "--draft", "free"]
-    rows = run_rows(lambda: start_smc_sd(sys.executable, free, env), SMC_SD, EXTRACTION_METHODS, concurrencies, asks, args)
+    compiled = ["--compile-step"] if args.compile_step else []
+    rows = run_rows(lambda: start_smc_sd(sys.executable, free + compiled, env), SMC_SD, EXTRACTION_METHODS, concurrencies, asks, args)
     if not args.no_vllm:
         rows += run_rows(lambda: start_vllm(args.vllm, args.dtype, env), VLLM, [("ar", {})], concurrencies, asks, args)
         rows += run_rows(lambda: start_smc_sd(args.vllm, ["--backend", "vllm", *free], vllm_env(env)), SMC_SD_ON_VLLM,
@@ -343,7 +345,7 @@ def run_extraction(args, env: dict, concurrencies: list[int]) -> tuple[str, dict
         "environment": environment() | {"server_threads": args.threads, "dtype": args.dtype, "load_average_at_start": load_before},
         "settings": {"workload": "extraction", "requests": args.requests, "items": sorted({a.name for a in asks}),
                      "max_tokens": args.max_tokens, "temperature": args.temperature, "concurrency": concurrencies,
-                     "methods": dict(EXTRACTION_METHODS), "request": extraction.REQUEST,
+                     "compile_step": args.compile_step, "methods": dict(EXTRACTION_METHODS), "request": extraction.REQUEST,
                      "layout": "smc-sd serve: compact (its default json_layout); vllm: its structured outputs' default"},
         "extraction": {
             **ratios,
@@ -372,6 +374,7 @@ def main() -> None:
     parser.add_argument("--no-vllm", action="store_true", help="skip the vLLM anchor (and, for extraction, smc-sd serve --backend vllm)")
     parser.add_argument("--backend", default="hf", choices=["hf", "llama-cpp"], help="chat: smc-sd serve's backend (llama-cpp: ar only)")
     parser.add_argument("--target", default=None, help="llama-cpp: a GGUF file to serve instead of the shipped one")
+    parser.add_argument("--compile-step", action="store_true", help="extraction: smc-sd serve on hf compiles its step (its --compile-step)")
     parser.add_argument("--json", action="store_true", help="print the JSON object (always written to results/serve[_...].json)")
     args = parser.parse_args()
     workload = WORKLOADS[args.workload]

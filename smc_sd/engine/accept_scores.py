@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import torch
 
+from smc_sd.engine.rows import take_positions
 from smc_sd.engine.sampling import exp_floored, exp_floored_, logsumexp_floored, tempered_logprobs_rows, tokens_from_weights
 
 
@@ -97,11 +98,19 @@ def accept_scores(
     u = u_emit.gather(1, j[:, None])[:, 0]
     # [R, V]: q_loc at each particle's emitted position (flat where it has no mass)
     emitted_at = position[owner, j]
-    logp = (scores[emitted_at] - finite_z[emitted_at, None]).masked_fill_(no_mass[emitted_at, None], 0.0)
+    if torch.compiler.is_compiling():
+        logp = scores[emitted_at] - finite_z[emitted_at, None]
+    else:
+        # eagerly in place, in `scores` itself where the positions are consecutive (it is not
+        # read after): no fresh [R, V] block
+        logp = take_positions(scores, emitted_at).sub_(finite_z[emitted_at, None])
+    logp = logp.masked_fill_(no_mass[emitted_at, None], 0.0)
     # [R]: the token the row's proposal holds at j (0 past the block)
     at_j = torch.nn.functional.pad(drafted, (0, 1))[owner, j]
     if drafts is None:
-        return j, emit_past_point_masses(logp, at_j, rejected if m else None, u), log_z_rows[owner]
+        # eagerly, a cycle where no particle rejected a point mass draws from q_loc directly
+        point = rejected if torch.compiler.is_compiling() or bool(rejected.any()) else None
+        return j, emit_past_point_masses(logp, at_j, point, u), log_z_rows[owner]
     _, lm, _, logq, begins = drafts
     point = rejected & ~lm[owner]
     drawn = rejected & lm[owner]

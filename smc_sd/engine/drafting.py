@@ -157,20 +157,20 @@ class BlockDrafter:
         return self._block
 
 
-def block_masks(masker, prefixes: list[list[int]], live: torch.Tensor, eos: int):
+def block_masks(masker, prefixes: list[list[int]], live: torch.Tensor | list[bool], eos: int):
     """The `mask_at` of one cycle: masks after each particle's prefix plus the block so far.
 
     Args:
         masker: a `Masker`.
         prefixes: N lists of generated tokens before the cycle.
-        live: [N] bool, particles that are unfinished and have nonzero weight.
+        live: [N] bool (a tensor or a list), particles that are unfinished and have nonzero weight.
 
     Returns:
         mask_at(drafted [N, j] int64) -> (mask [N, V] bool, dead [N] bool); rows with an EOS
         among the drafted tokens are no longer live.
     """
     # in Python lists: a torch call costs tens of microseconds right after a model pass
-    flags = live.tolist()
+    flags = live.tolist() if isinstance(live, torch.Tensor) else live
 
     def mask_at(drafted: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         blocks = drafted.tolist()

@@ -1,9 +1,11 @@
 """The tensor cores of an engine cycle, run eagerly or compiled by `torch.compile`.
 
-Most of a cycle's work over the vocabulary sits in two pure functions of tensors:
+Most of a cycle's work over the vocabulary sits in three pure functions of tensors:
 `block_scores.score_rows` (an importance verification's log-softmax over [A, K + 1, V], the
-drafted tokens' scores, the bonus draws and the weight increments) and
-`sampling.tokens_and_logprobs` (a draft step's draws over [A, V] and their log q). A third,
+drafted tokens' scores, the bonus draws and the weight increments),
+`accept_scores.accept_scores` (an accept/reject verification's log-softmax over the P positions
+its rows read, their normalisers, the first rejections and the emitted tokens) and
+`sampling.tokens_and_logprobs` (a draft step's draws over [A, V] and their log q). A fourth,
 `keyed_random.keyed_uniforms`, hashes every draw's key into its uniforms: about 70 integer
 operators on a few rows, eagerly. Run eagerly, each is a sequence of torch operators, every one
 a pass over memory (on a GPU, a kernel launch). Compiled by inductor, each becomes a few fused
@@ -13,8 +15,9 @@ bit).
 An engine built with `compile_step=True` lends the compiled functions to its cycles
 (`smc_sd.engine.cycle_locals`); everywhere else the eager ones run. They are compiled with symbolic
 sizes (`dynamic=True`): a graph per combination of the arguments that are None or not and of
-the flags, whatever the number of rows, K or V, so no shape the engine meets compiles again,
-and a row's results do not depend on the rows beside it (`tests/test_kernels.py`). Compiled
+the flags, whatever the number of rows, K or V (dynamo compiles sizes 0 and 1 apart: the
+accept/reject rows and columns, which move with what free drafts propose, are padded to at
+least 2 by `speculative_step.accept_rows`), so no shape the engine meets compiles again, and a row's results do not depend on the rows beside it (`tests/test_kernels.py`). Compiled
 and eager results have the same tokens and agree within float32 rounding in the increments
 and log q: inductor sums in another order (`tests/test_compiled_step.py`). Each graph compiles
 at its first call, seconds on a CPU, once per process; on a CPU inductor needs a C++ compiler,

@@ -51,7 +51,7 @@ def proposals(plan, drafter: FreeDrafter, tokens: list[list[int]], running: list
         return proposed, [None] * len(running), list(forced)
     prefixes = [tokens[i] + d[:j] for i, d in zip(running, proposed) for j in range(len(d) + 1)]
     # [sum (len(d) + 1), V]: one call for every position of every particle
-    masks, _ = plan.masker(prefixes, torch.ones(len(prefixes), dtype=torch.bool))
+    masks, _ = plan.masker(prefixes, [True] * len(prefixes))
     out, start = [], 0
     for d in proposed:
         rows = masks[start : start + len(d) + 1]

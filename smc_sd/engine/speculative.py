@@ -53,7 +53,7 @@ def free_block(plan, drafter: FreeDrafter, tokens: list[int]) -> tuple[ProposedB
     if plan.masker is None:
         return ProposedBlock(proposal), forced
     # [m + 1, V]: the masks after each proposed prefix, one call for the whole block
-    masks, _ = plan.masker([tokens + proposal[:j] for j in range(len(proposal) + 1)], torch.ones(len(proposal) + 1, dtype=torch.bool))
+    masks, _ = plan.masker([tokens + proposal[:j] for j in range(len(proposal) + 1)], [True] * (len(proposal) + 1))
     m = allowed_prefix(proposal, masks)
     if m == 0:
         return None

@@ -83,12 +83,14 @@ class SpeculativeGroup(Group):
         if free is not None:
             self.fixed_block, self.forced = free
             return
-        self.mask_at = None if plan.masker is None else block_masks(plan.masker, [self.tokens], torch.ones(1, dtype=torch.bool), self.eos)
         if self.has_draft:
+            self.mask_at = None if plan.masker is None else block_masks(plan.masker, [self.tokens], [True], self.eos)
             self.fixed_block = None
             self.drafter = BlockDrafter.for_request(plan.draft_temperature, self.key, len(self.cycles), torch.zeros(1, dtype=torch.int64), self.mask_at, keep_logq=True)
         else:
-            self.fixed_block = ProposedBlock([], masks=None if self.mask_at is None else self.mask_at(torch.empty(1, 0, dtype=torch.int64))[0])
+            # the bonus token alone: its mask after the tokens so far
+            self.mask_at = None
+            self.fixed_block = ProposedBlock([], masks=None if plan.masker is None else plan.masker([self.tokens], [True])[0])
 
     @property
     def draft_len(self) -> int:
