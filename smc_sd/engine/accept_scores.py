@@ -93,8 +93,10 @@ def accept_scores(
     logq_x = 0.0 if drafts is None else drafts[0]
     log_ratio = torch.where(no_mass[flat], float("-inf"), log_q_loc - logq_x)[owner]
     dead = None if drafts is None or drafts[2] is None else drafts[2][owner]
-    j = first_rejections(log_ratio, lengths[owner], u_accept, dead)
-    rejected = j < lengths[owner]
+    # [R]: each particle's proposal length, its first rejection, and whether it rejected one
+    proposed = lengths[owner]
+    j = first_rejections(log_ratio, proposed, u_accept, dead)
+    rejected = j < proposed
     u = u_emit.gather(1, j[:, None])[:, 0]
     # [R, V]: q_loc at each particle's emitted position (flat where it has no mass)
     emitted_at = position[owner, j]

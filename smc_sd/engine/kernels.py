@@ -17,7 +17,8 @@ An engine built with `compile_step=True` lends the compiled functions to its cyc
 sizes (`dynamic=True`): a graph per combination of the arguments that are None or not and of
 the flags, whatever the number of rows, K or V (dynamo compiles sizes 0 and 1 apart: the
 accept/reject rows and columns, which move with what free drafts propose, are padded to at
-least 2 by `speculative_step.accept_rows`), so no shape the engine meets compiles again, and a row's results do not depend on the rows beside it (`tests/test_kernels.py`). Compiled
+least 2 by `speculative_step.accept_rows`), so no shape the engine meets compiles again, and
+a row's results do not depend on the rows beside it (`tests/test_kernels.py`). Compiled
 and eager results have the same tokens and agree within float32 rounding in the increments
 and log q: inductor sums in another order (`tests/test_compiled_step.py`). Each graph compiles
 at its first call, seconds on a CPU, once per process; on a CPU inductor needs a C++ compiler,

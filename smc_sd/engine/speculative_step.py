@@ -149,12 +149,12 @@ def accept_rows(packed: torch.Tensor, starts: torch.Tensor, rows: torch.Tensor, 
     weighted = None if all(plain) else ~torch.tensor(plain).repeat_interleave(widths)
     # [U, M]: proposed tokens (0 as padding)
     drafted = torch.tensor([b.tokens + [0] * (m - len(b.tokens)) for b in blocks], dtype=torch.int64).view(u_rows, m)
-    uniforms = kernels.current().keyed_uniforms
-    u_accept = uniforms(request_keys[:, None], cycles[:, None], particles[:, None], columns[None, :m], ACCEPT)
-    u_emit = uniforms(request_keys[:, None], cycles[:, None], particles[:, None], columns[None, :], BONUS)
+    cores = kernels.current()
+    u_accept = cores.keyed_uniforms(request_keys[:, None], cycles[:, None], particles[:, None], columns[None, :m], ACCEPT)
+    u_emit = cores.keyed_uniforms(request_keys[:, None], cycles[:, None], particles[:, None], columns[None, :], BONUS)
     # [P, V]: the logits of those positions only (no padding to the longest proposal); a view
     # where they are consecutive
-    j, emitted, log_z = kernels.current().accept_scores(
+    j, emitted, log_z = cores.accept_scores(
         take_positions(packed, at), position, temperature, alpha, mask, weighted, drafted, lengths,
         _lm_drafts(blocks, drafted, lengths_list), owner, u_accept, u_emit, 0.0 in temperatures, scaling(temperatures),
     )
