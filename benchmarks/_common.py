@@ -151,6 +151,12 @@ def environment() -> dict:
     }
 
 
+def progress(text: str) -> None:
+    """One line of progress on stderr: stdout carries the JSON alone (`emit`), so `> out.json`
+    keeps a file json.load reads."""
+    print(text, file=sys.stderr, flush=True)
+
+
 def emit(name: str, data: dict, write: bool = True) -> None:
     """Print `data` as JSON to stdout and (with write) save it as results/<name>.json."""
     text = json.dumps(data, indent=1)

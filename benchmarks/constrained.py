@@ -119,7 +119,6 @@ def llguidance_latencies(grammar: str, lm, tokens: list[int]) -> list[float]:
     """Seconds of one llguidance mask at each position of `tokens` (EOS excluded)."""
     import llguidance
     import llguidance.torch
-    import torch
 
     from smc_sd.constraints.llguidance_masks import lm_tokenizer
 

@@ -36,7 +36,7 @@ import statistics
 import time
 
 import torch
-from _common import emit, environment
+from _common import emit, environment, progress
 from serve import EXTRACTION_METHODS, extraction_asks
 
 #: the extraction methods of serve.py, as request body fields by label
@@ -129,7 +129,7 @@ def main() -> None:
             tokens = sum(len(result.tokens) for result in results)
             runs[method + label].append({"seconds": round(seconds, 3), "output_tokens": tokens, "tokens_per_second": round(tokens / seconds, 2),
                                  "target_forwards": clock.calls, "forward_seconds": round(clock.seconds, 3)})
-            print(f"round {round_ + 1} {method}{label}: {seconds:.2f} s, {tokens} tokens", flush=True)
+            progress(f"round {round_ + 1} {method}{label}: {seconds:.2f} s, {tokens} tokens")
     rows = {}
     for method, done in runs.items():
         median = statistics.median(run["seconds"] for run in done)

@@ -38,11 +38,12 @@ The torch thread count is 1. Usage:
 from __future__ import annotations
 
 import argparse
+import json
 import time
 import types
 
 import torch
-from _common import emit, environment
+from _common import emit, environment, progress
 from torch.profiler import ProfilerActivity, profile
 from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -202,7 +203,7 @@ def main() -> None:
                     base = base or row["ops_per_cycle"]
                     row["ops_ratio_vs_1"] = round(row["ops_per_cycle"] / base, 2)
                     rows.append(row)
-                    print(row, flush=True)
+                    progress(json.dumps(row))
     emit("engine_overhead", {"environment": environment(), "threads": 1, "rows": rows}, write=not args.no_write)
 
 

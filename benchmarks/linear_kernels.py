@@ -20,7 +20,7 @@ import time
 
 import torch
 import torch.nn.functional as F
-from _common import emit, environment
+from _common import emit, environment, progress
 
 from smc_sd.backends.onednn_linear import PACKING_ROWS_HINT, onednn_dtypes
 
@@ -63,7 +63,7 @@ def measure(dtype: torch.dtype, tokens: list[int], repeats: int) -> dict:
         times = {name: sweep_ms(kernel, weights, count, repeats) for name, kernel in kernels.items()}
         unpacked = min(times["F.linear"], times["onednn_dense"])
         rows.append({"tokens": count, "ms": times, "packed_speedup": unpacked / times["onednn_packed"]})
-        print(f"{dtype} T={count}: " + ", ".join(f"{k} {v:.1f} ms" for k, v in times.items()), flush=True)
+        progress(f"{dtype} T={count}: " + ", ".join(f"{k} {v:.1f} ms" for k, v in times.items()))
     return {"dtype": str(dtype).removeprefix("torch."), "layers": len(weights), "rows": rows}
 
 

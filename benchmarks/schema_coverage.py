@@ -23,7 +23,7 @@ import json
 import pathlib
 import time
 
-from _common import emit, environment, load_default_models
+from _common import emit, environment, load_default_models, progress
 from constrained import processor
 
 SCHEMAS = pathlib.Path(__file__).resolve().parent / "schemas"
@@ -108,7 +108,7 @@ def main(argv=None) -> dict:
             "mask_seconds": result.mask_seconds,
             "text": result.text,
         })
-        print(json.dumps(rows[-1]), flush=True)
+        progress(json.dumps(rows[-1]))
     ran = [r for r in rows if r["accepted"]]
     data = {
         "benchmark": "schema_coverage",

@@ -275,7 +275,7 @@ def test_invariants_catch_full_blocks_the_trie_does_not_share():
     t1, plan = manager.open([3, 2])
     store.apply(manager, t1, plan, 0)
     # a full block missing from the index: later rows with its prefix could not share it
-    manager.trie.remove(t1.blocks[0])
+    manager.trie.remove(t1.blocks[0].tolist())
     with pytest.raises(AssertionError, match="full block 1 is not in the trie"):
         manager.check_invariants(t0, t1)
     # and t1 claiming t0's prefix in a block of its own

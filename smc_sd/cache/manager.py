@@ -372,7 +372,7 @@ class KVCacheManager:
         cached, deepest first (evicted before their parents), the rest freed; without it every
         block reaching 0 is freed and leaves the trie with its cached descendants."""
         if cache:
-            self.trie.remove(self.pool.release(blocks, keep=self._cacheable))
+            self.trie.remove(self.pool.release(blocks, keep=self._cacheable).tolist())
             return
         self._unindex(self.pool.release(blocks).tolist())
 

@@ -51,14 +51,14 @@ class TokenTrie:
         self._node[block] = key
         self._children.setdefault(parent, set()).add(block)
 
-    def remove(self, blocks) -> None:
+    def remove(self, blocks: list[int]) -> None:
         """Drop the listed blocks from the index (those not indexed are ignored)."""
         for block in blocks:
-            key = self._node.pop(int(block), None)
+            key = self._node.pop(block, None)
             if key is not None:
                 del self._child[key]
                 siblings = self._children[key[0]]
-                siblings.discard(int(block))
+                siblings.discard(block)
                 if not siblings:
                     del self._children[key[0]]
 
