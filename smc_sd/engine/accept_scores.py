@@ -101,12 +101,13 @@ def accept_scores(
     # [R, V]: q_loc at each particle's emitted position (flat where it has no mass)
     emitted_at = position[owner, j]
     if torch.compiler.is_compiling():
-        logp = scores[emitted_at] - finite_z[emitted_at, None]
+        logp = (scores[emitted_at] - finite_z[emitted_at, None]).masked_fill_(no_mass[emitted_at, None], 0.0)
     else:
         # eagerly in place, in `scores` itself where the positions are consecutive (it is not
-        # read after): no fresh [R, V] block
+        # read after): no fresh [R, V] block; the rows without mass (rare) are set by index,
+        # not by a masked pass over every row
         logp = take_positions(scores, emitted_at).sub_(finite_z[emitted_at, None])
-    logp = logp.masked_fill_(no_mass[emitted_at, None], 0.0)
+        logp.index_fill_(0, no_mass[emitted_at].nonzero().flatten(), 0.0)
     # [R]: the token the row's proposal holds at j (0 past the block)
     at_j = torch.nn.functional.pad(drafted, (0, 1))[owner, j]
     if drafts is None:

@@ -17,6 +17,7 @@ import math
 
 import torch
 
+from smc_sd.engine import scratch
 from smc_sd.engine.sampling import gather_last, logsumexp_floored, tempered_logprobs_rows, tokens_from_uniforms
 
 
@@ -67,7 +68,8 @@ def score_rows(logits: torch.Tensor, temperature: torch.Tensor, alpha: torch.Ten
     """
     k = drafted.shape[1]
     if k == 0 and alpha is None and bonus_mask is None and weighted_bonus is None and not greedy:
-        z = logits[:, 0] / temperature[:, None] if scaled else logits[:, 0]
+        # [A, V]: the tempered logits, in the engine's scratch block (they die in the draw)
+        z = torch.div(logits[:, 0], temperature[:, None], out=scratch.block("bonus_tempered", logits[:, 0])) if scaled else logits[:, 0]
         return tokens_from_uniforms(z, u)[:, None], torch.zeros(drafted.shape[0], 1, dtype=torch.float64, device=logits.device)
     # [A, K + 1, V]: log p_T at every position (one contiguous pass: a log-softmax of the
     # drafted positions alone, a strided view, would copy them first)

@@ -68,8 +68,9 @@ def tempered_logprobs_rows(logits: torch.Tensor, temperature: torch.Tensor, mask
             logits go to the softmax undivided: dividing by 1 leaves a float unchanged, so the
             result is the same bits without a pass over [A, ..., V].
         scratch_purpose: when given, the log-softmax is written into the engine's scratch block
-            of that name (`smc_sd.engine.scratch`): the caller lets no view of the result
-            outlive its own call.
+            of that name, and the tempered logits into the block of that name + "_tempered"
+            (`smc_sd.engine.scratch`): the caller lets no view of the result outlive its own
+            call.
 
     Returns:
         [A, ..., V] float32: row a is tempered_logprobs(logits[a], T_a, mask[a]).
@@ -77,11 +78,16 @@ def tempered_logprobs_rows(logits: torch.Tensor, temperature: torch.Tensor, mask
     mask = allowed(mask)
     # [A, 1, ..., 1]: each row's temperature, 1 where it is 0 (those rows are replaced below)
     t = temperature.view((-1,) + (1,) * (logits.dim() - 1))
-    tempered = logits.float() / torch.where(t > 0, t, 1.0) if scaled else logits.float()
+    tempered = logits.float()
+    if scaled:
+        into = None if scratch_purpose is None else scratch.block(scratch_purpose + "_tempered", tempered)
+        tempered = torch.div(tempered, torch.where(t > 0, t, 1.0), out=into)
     out = None if scratch_purpose is None else scratch.block(scratch_purpose, tempered)
     logprobs = torch.log_softmax(tempered, dim=-1, out=out)
     if mask is not None:
-        logprobs = logprobs.masked_fill(~mask, float("-inf"))
+        # in place: the log-softmax is this call's own block (a fresh [A, ..., V] block costs
+        # its page faults on a CPU)
+        logprobs = logprobs.masked_fill_(~mask, float("-inf"))
     if greedy:
         logprobs = torch.where(t == 0, tempered_logprobs(logits, 0.0, mask), logprobs)
     return logprobs
@@ -129,10 +135,12 @@ def exp_floored_(x: torch.Tensor) -> torch.Tensor:
 def logsumexp_floored(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     """log sum exp(x) along `dim`, as m + log sum exp_floored(x - m) with m the maximum: it
     differs from the exact value by at most V · C relative (`exp_floored`); -inf for a row with
-    no finite entry. x holds no NaN or +inf."""
+    no finite entry. x holds no NaN or +inf. The terms are formed in the engine's scratch block
+    "logsumexp_terms" (`smc_sd.engine.scratch`), and die here."""
     top = x.amax(dim, keepdim=True)
     top = torch.where(torch.isfinite(top), top, 0.0)
-    return (top + exp_floored_(x - top).sum(dim, keepdim=True).log()).squeeze(dim)
+    terms = torch.sub(x, top, out=scratch.block("logsumexp_terms", x))
+    return (top + exp_floored_(terms).sum(dim, keepdim=True).log()).squeeze(dim)
 
 
 def sample_tokens(scores: torch.Tensor, generator: torch.Generator) -> torch.Tensor:

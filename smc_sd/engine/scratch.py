@@ -2,7 +2,9 @@
 
 A cycle forms a few [R, V] float32 blocks that die within one call: the shifted scores of a
 draw (`sampling.tokens_from_uniforms`), the target's log-probabilities of an importance block
-(`block_scores.score_rows`) or of the accept/reject positions (`accept_scores.accept_scores`).
+(`block_scores.score_rows`) or of the accept/reject positions (`accept_scores.accept_scores`),
+the logits divided by a temperature before either, the terms of a masked normaliser
+(`sampling.logsumexp_floored`).
 On a CPU each fresh block is faulted in page by page (12.6 MB at R = 64, V = 49,152; 63 MB for
 an smc-sd N = 4, K = 4 block of 16 requests), and glibc returns blocks that large to the kernel
 when they are freed, so every cycle pays the faults again. Writing into a block kept from the
