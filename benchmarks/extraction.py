@@ -42,7 +42,7 @@ import time
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
-from _common import drop_prefix_caches, emit, environment  # noqa: E402
+from _common import drop_prefix_caches, emit, environment, progress  # noqa: E402
 
 from smc_sd.backends.llama_formats import DEFAULT_FORMAT  # noqa: E402
 
@@ -290,7 +290,7 @@ def main(argv=None) -> dict:
                 runs[label].append(run)
                 record["runs"][label] = run
             per_item.append(record)
-            print(json.dumps({"item": item["name"], "seed": seed, **{label: {k: round(r[k], 3) if isinstance(r[k], float) else r[k] for k in ("wall_seconds", "valid", "fields_correct")} for label, r in record["runs"].items()}}), file=sys.stderr, flush=True)
+            progress(json.dumps({"item": item["name"], "seed": seed, **{label: {k: round(r[k], 3) if isinstance(r[k], float) else r[k] for k in ("wall_seconds", "valid", "fields_correct")} for label, r in record["runs"].items()}}))
 
     summary = {label: summarize(runs[label]) for label in labels}
     for label in labels:

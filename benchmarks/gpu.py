@@ -59,13 +59,12 @@ import argparse
 import json
 import pathlib
 import statistics
-import sys
 import time
 import traceback
 
 import torch
 
-from _common import RESULTS, build_program, drop_prefix_caches, emit, environment
+from _common import RESULTS, build_program, drop_prefix_caches, emit, environment, progress
 
 SHAPES = {
     "8b": {
@@ -352,7 +351,7 @@ def static_row(label: str, method: str, n: int, k: int, models: dict, prompt: li
     tokens = {"ar": 1.0, "sd": expected_sd_tokens(acceptance, k), "smc-sd": float(k + 1)}[method]
     cycle_bytes = read_bytes(models["target"], n, mean_positions) + k * read_bytes(models["draft"], n, mean_positions)
     floor_ms = 1000 * cycle_bytes / bandwidth
-    print(f"gpu.py: {label}: cycle {engine['cycle_ms']:.2f} ms, forwards {forward_ms:.2f} ms", file=sys.stderr, flush=True)
+    progress(f"gpu.py: {label}: cycle {engine['cycle_ms']:.2f} ms, forwards {forward_ms:.2f} ms")
     return {
         "label": label, "method": method, "particles": n, "draft_len": k, **engine,
         "forward_ms": forward_ms, "tokens_per_cycle": tokens,
@@ -380,7 +379,7 @@ def batched_section(models: dict, args, vocab: int) -> dict:
                **time_batched(method, *paged, n, k, prompts[:count], args.batched_tokens, compile_step)}
         if args.device.startswith("cuda"):
             row["peak_gpu_bytes"] = torch.cuda.max_memory_allocated()
-        print(f"gpu.py: batched {label}: {row['tokens_per_second']:.1f} tokens/s over {row['requests']} requests", file=sys.stderr, flush=True)
+        progress(f"gpu.py: batched {label}: {row['tokens_per_second']:.1f} tokens/s over {row['requests']} requests")
         rows.append(row)
     alone, ar, smc, ar_compiled, smc_compiled = rows
     return {"batch": args.batch, "new_tokens": args.batched_tokens, "kv_cache": "paged", "bare_pass_ms": passes_ms, "rows": rows,

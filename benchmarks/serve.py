@@ -59,7 +59,7 @@ import urllib.request
 from collections.abc import Callable
 
 import extraction
-from _common import RESULTS, emit, environment
+from _common import RESULTS, emit, environment, progress
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 PROMPTS = (ROOT / "benchmarks" / "prompts" / "heldout.txt").read_text().splitlines()
@@ -266,9 +266,8 @@ def run_rows(start, server: str, methods, concurrencies: list[int], asks: list[A
             for concurrency in concurrencies:
                 row = {"server": server, "method": label, **served(fields, asks, concurrency, args.max_tokens, f"{label} C={concurrency}")}
                 valid = f" valid {row['valid_fraction']:.2f}" if "valid_fraction" in row else ""
-                print(f"{server:21s} {label:19s} C={concurrency:<3d} {row['output_tokens_per_second']:7.2f} tok/s "
-                      f"{row['requests_per_second']:6.3f} req/s p50 {row['latency_p50']:6.2f} s p99 {row['latency_p99']:6.2f} s{valid}",
-                      file=sys.stderr, flush=True)
+                progress(f"{server:21s} {label:19s} C={concurrency:<3d} {row['output_tokens_per_second']:7.2f} tok/s "
+                         f"{row['requests_per_second']:6.3f} req/s p50 {row['latency_p50']:6.2f} s p99 {row['latency_p99']:6.2f} s{valid}")
                 rows.append(row)
     finally:
         process.stop()

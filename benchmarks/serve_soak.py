@@ -38,7 +38,7 @@ import os
 import sys
 import time
 
-from _common import emit, environment
+from _common import emit, environment, progress
 from serve import MODEL, start_smc_sd
 
 #: seconds one request may take before it counts as failed
@@ -152,8 +152,7 @@ def main() -> None:
         "goals": {"distinct_growth_mb_at_most": 50, "repeated_growth_mb_at_most": 5},
     }
     emit("serve_soak", data, write=complete and args.requests == 1000)
-    print(json.dumps({"distinct_growth_mb": data["distinct_growth_mb"], "repeated_growth_mb": data["repeated_growth_mb"]}),
-          file=sys.stderr)
+    progress(json.dumps({"distinct_growth_mb": data["distinct_growth_mb"], "repeated_growth_mb": data["repeated_growth_mb"]}))
 
 
 if __name__ == "__main__":

